@@ -1,0 +1,1 @@
+"""Evaluation: success on held-out tasks, run reports and plots."""

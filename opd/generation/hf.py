@@ -1,0 +1,158 @@
+"""The Hugging Face transformers engine: batched sampling with behaviour logprobs, packed
+prefix-shared scoring, and in-place weight updates. The CPU default; it runs on GPU unchanged.
+
+Sampling is a short explicit loop over a KV cache rather than ``model.generate``: the
+behaviour logprobs must be those of the exact distribution sampled from (``generate``'s
+default processors, such as a top-k of 50 from a model's generation config, would silently
+change it), and a private ``torch.Generator`` makes a call reproducible without touching the
+global RNG.
+
+Example:
+    >>> engine = HFEngine.from_pretrained("path/to/model")  # doctest: +SKIP
+    >>> engine.score([request])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opd.generation.base import Completion, SamplingParams, ScoreRequest, branch_attention_mask
+from opd.models import load_model
+
+
+class HFEngine:
+    """One causal LM behind the engine contract (see :mod:`opd.generation.base`)."""
+
+    def __init__(self, model, pad_id: int, max_batch_size: int = 64, device: str | None = None):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = model.to(self.device).eval()
+        self.pad_id = pad_id
+        self.max_batch_size = max_batch_size
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: str = "float32", trust_remote_code: bool = False) -> "HFEngine":
+        model = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        pad = model.config.pad_token_id
+        if pad is None:
+            pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
+        return cls(model, pad_id=pad)
+
+    # -- generation -------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        out: list[Completion] = []
+        for start in range(0, len(prompts), self.max_batch_size):
+            out += self._generate_batch(prompts[start : start + self.max_batch_size], params, generator)
+        return out
+
+    def _generate_batch(self, prompts, params: SamplingParams, generator) -> list[Completion]:
+        B = len(prompts)
+        width = max(len(p) for p in prompts)
+        # Left padding keeps every row's next token in the last column.
+        input_ids_BL = torch.full((B, width), self.pad_id, dtype=torch.long)
+        mask_BL = torch.zeros((B, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids_BL[i, width - len(p) :] = torch.tensor(p)
+            mask_BL[i, width - len(p) :] = 1
+        input_ids_BL, mask_BL = input_ids_BL.to(self.device), mask_BL.to(self.device)
+        position_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=input_ids_BL, attention_mask=mask_BL, position_ids=position_BL, use_cache=True)
+        past, logits_BV = out.past_key_values, out.logits[:, -1].float()
+        stops = torch.tensor(sorted(params.stop_token_ids) or [-1], device=self.device)
+        done_B = torch.zeros(B, dtype=torch.bool, device=self.device)
+        tokens, logprobs = [], []
+        next_pos_B1 = position_BL[:, -1:] + 1
+        for _ in range(params.max_new_tokens):
+            temperature = params.temperature if params.temperature > 0 else 1.0
+            logp_BV = torch.log_softmax(logits_BV / temperature, dim=-1)
+            if params.temperature > 0:
+                token_B = torch.multinomial(logp_BV.exp(), 1, generator=generator).squeeze(1)
+            else:
+                token_B = logp_BV.argmax(-1)
+            token_B = torch.where(done_B, torch.full_like(token_B, self.pad_id), token_B)
+            tokens.append(token_B)
+            logprobs.append(logp_BV.gather(1, token_B[:, None]).squeeze(1))
+            tokens_done = torch.isin(token_B, stops)
+            finished_now = ~done_B & tokens_done
+            done_B = done_B | finished_now
+            if bool(done_B.all()):
+                break
+            mask_BL = torch.cat([mask_BL, torch.ones((B, 1), dtype=torch.long, device=self.device)], dim=1)
+            out = self.model(
+                input_ids=token_B[:, None],
+                attention_mask=mask_BL,
+                position_ids=next_pos_B1,
+                past_key_values=past,
+                use_cache=True,
+            )
+            past, logits_BV = out.past_key_values, out.logits[:, -1].float()
+            next_pos_B1 = next_pos_B1 + 1
+        return self._collect(tokens, logprobs, set(params.stop_token_ids), B)
+
+    @staticmethod
+    def _collect(tokens, logprobs, stops: set[int], B: int) -> list[Completion]:
+        token_BN = torch.stack(tokens, 1).tolist()
+        logp_BN = torch.stack(logprobs, 1).tolist()
+        results = []
+        for i in range(B):
+            ids, lps, reason = [], [], "length"
+            for tok, lp in zip(token_BN[i], logp_BN[i]):
+                ids.append(tok)
+                lps.append(lp)
+                if tok in stops:
+                    reason = "stop"
+                    break
+            results.append(Completion(response_ids=ids, logprobs=lps, finish_reason=reason))
+        return results
+
+    # -- scoring ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def score(self, requests: list[ScoreRequest], batch_size: int = 16) -> list[list[float]]:
+        results: list[list[float]] = []
+        for start in range(0, len(requests), batch_size):
+            results += self._score_batch(requests[start : start + batch_size])
+        return results
+
+    def _score_batch(self, requests: list[ScoreRequest]) -> list[list[float]]:
+        B = len(requests)
+        L = max(len(r.input_ids) for r in requests)
+        ids_BL = torch.full((B, L), self.pad_id, dtype=torch.long)
+        pos_BL = torch.zeros((B, L), dtype=torch.long)
+        branch_BL = torch.zeros((B, L), dtype=torch.long)
+        valid_BL = torch.zeros((B, L), dtype=torch.bool)
+        for i, r in enumerate(requests):
+            n = len(r.input_ids)
+            ids_BL[i, :n] = torch.tensor(r.input_ids)
+            pos_BL[i, :n] = torch.tensor(r.position_ids)
+            branch_BL[i, :n] = torch.tensor(r.branch_ids)
+            valid_BL[i, :n] = True
+        mask_B1LL = branch_attention_mask(branch_BL, valid_BL)
+        logits_BLV = self.model(
+            input_ids=ids_BL.to(self.device),
+            attention_mask=mask_B1LL.to(self.device),
+            position_ids=pos_BL.to(self.device),
+        ).logits
+        results = []
+        for i, r in enumerate(requests):
+            source = torch.tensor(r.source_index, dtype=torch.long, device=self.device)
+            target = ids_BL[i, r.target_index].to(self.device)
+            # Teacher scores are always at temperature 1: they are the teacher's distribution.
+            logp_NV = torch.log_softmax(logits_BLV[i, source].float(), dim=-1)
+            results.append(logp_NV.gather(1, target[:, None]).squeeze(1).tolist())
+        return results
+
+    # -- weights ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy new weights into the live model in place (same shapes, no reallocation)."""
+        # keep_vars: the live tensors, with tied weights (lm_head / embeddings) under both names.
+        params = self.model.state_dict(keep_vars=True)
+        missing = [name for name in state_dict if name not in params]
+        if missing:
+            raise KeyError(f"weights for unknown parameters: {missing[:5]}")
+        for name, value in state_dict.items():
+            params[name].copy_(value.to(params[name].device, params[name].dtype))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}

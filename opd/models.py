@@ -1,0 +1,145 @@
+"""Loading causal LMs and tokenizers, checking that teacher and student tokenizers match, and a
+tiny-model factory (a locally trained tokenizer plus a small Qwen3 built from a config).
+
+Weights are read and written as safetensors only. ``trust_remote_code`` is passed through from
+the recipe and is off by default.
+
+Example:
+    >>> tok = train_chat_tokenizer(["up", "down"], vocab_size=280)  # doctest: +SKIP
+    >>> model = tiny_qwen3(tok, TinyArchConfig(), seed=0)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TokenizerMismatchError(ValueError):
+    """The teacher's tokenizer differs from the student's; the message says how."""
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.expanduser(path), trust_remote_code=trust_remote_code)
+
+
+def load_model(path: str, dtype: str = "float32", trust_remote_code: bool = False):
+    """A causal LM from a local directory or hub id, in eval mode, weights from safetensors."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.expanduser(path),
+        dtype=DTYPES[dtype],
+        trust_remote_code=trust_remote_code,
+        use_safetensors=True,
+    )
+    return model.eval()
+
+
+def save_model(model, tokenizer, directory: str | Path) -> None:
+    """Write an HF directory (config, safetensors weights, tokenizer)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+
+
+def check_tokenizers_match(student_tok, teacher_tok) -> None:
+    """Raise :class:`TokenizerMismatchError` if the two tokenizers would not give the same ids.
+
+    Sampled-token scoring sends the student's token ids to the teacher, so both must map every
+    id to the same string. The message names the first difference found.
+    """
+    s_vocab, t_vocab = student_tok.get_vocab(), teacher_tok.get_vocab()
+    problems = []
+    if len(s_vocab) != len(t_vocab):
+        problems.append(f"vocabulary sizes differ: student {len(s_vocab)}, teacher {len(t_vocab)}")
+    only_s = sorted(set(s_vocab) - set(t_vocab), key=s_vocab.get)[:5]
+    only_t = sorted(set(t_vocab) - set(s_vocab), key=t_vocab.get)[:5]
+    if only_s:
+        problems.append(f"tokens only the student has: {only_s}")
+    if only_t:
+        problems.append(f"tokens only the teacher has: {only_t}")
+    moved = [tok for tok, i in s_vocab.items() if tok in t_vocab and t_vocab[tok] != i][:5]
+    if moved:
+        problems.append(
+            "same tokens with different ids: "
+            + ", ".join(f"{tok!r} (student {s_vocab[tok]}, teacher {t_vocab[tok]})" for tok in moved)
+        )
+    for attr in ("eos_token", "pad_token"):
+        if getattr(student_tok, attr, None) != getattr(teacher_tok, attr, None):
+            problems.append(
+                f"{attr} differs: student {getattr(student_tok, attr, None)!r}, teacher {getattr(teacher_tok, attr, None)!r}"
+            )
+    if problems:
+        raise TokenizerMismatchError(
+            "the teacher's tokenizer differs from the student's: "
+            + "; ".join(problems)
+            + ". Use a teacher from the student's model family (same tokenizer)."
+        )
+
+
+def train_chat_tokenizer(corpus: Iterable[str], vocab_size: int = 320):
+    """A byte-level BPE tokenizer with ChatML special tokens, trained on ``corpus`` here.
+
+    No download: this is how tests and the quickstart get a real tokenizer offline.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(corpus, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<think>", "</think>"],
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def tiny_qwen3(tokenizer, arch, seed: int):
+    """A freshly initialised small Qwen3 causal LM sized by ``arch`` (head_dim 64)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_heads,
+        num_key_value_heads=arch.num_heads,
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    # Seed a private generator so building a model never disturbs the caller's RNG stream.
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    return model.eval()

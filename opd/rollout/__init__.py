@@ -1,0 +1,1 @@
+"""Episode loops: the student plays environments and yields trajectories."""

@@ -1,0 +1,125 @@
+"""The vanilla multi-turn episode loop: think-then-act at every turn, batched across episodes.
+
+All live episodes advance together: one ``engine.generate`` call per turn for the whole batch,
+then one ``env.step`` per episode. A context grows by concatenating the sampled response ids,
+the closing markup and the next observation's message ids, so the ids the student saw are the
+ids it is trained on.
+
+An environment that raises ends that episode only (``end_reason="env_error"``, the exception
+kept in ``Trajectory.error``); the other episodes and the run go on.
+
+Example:
+    >>> trajs = run_episodes(engine, EnvFactory("opd/FrozenLakeText-v0"), ["fl4-train-00001"],
+    ...                      tokenizer, fmt, EpisodeSettings(max_new_tokens=8), seed=0)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from opd.chat import ChatFormat, first_prompt_ids, next_prompt_ids
+from opd.generation.base import SamplingParams
+from opd.trajectory import Trajectory, Turn
+
+INFO_KEYS = ("success", "valid_action", "expert_action", "turn")
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """Per-episode sampling settings (a picklable subset of the rollout config)."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    max_context_tokens: int = 2048
+    system_prompt: str = ""
+
+
+def _safe_info(info: dict) -> dict:
+    return {k: info[k] for k in INFO_KEYS if k in info}
+
+
+def run_episodes(
+    engine,
+    env_factory,
+    tasks: list[str],
+    tokenizer,
+    fmt: ChatFormat,
+    settings: EpisodeSettings,
+    seed: int,
+) -> list[Trajectory]:
+    """Play one episode per task with the policy in ``engine``.
+
+    Args:
+        engine: anything with the engine contract's ``generate``.
+        env_factory: picklable zero-argument callable returning a fresh environment.
+        tasks: task ids, one episode each (repeats allowed).
+        tokenizer, fmt: the policy's tokenizer and its ChatML ids.
+        settings: sampling and context limits; ``temperature=0`` plays greedily.
+        seed: seeds sampling; turn k of this call samples with ``seed * 1009 + k``.
+
+    Returns:
+        One :class:`Trajectory` per task, in order.
+    """
+    trajs = [Trajectory(task=task) for task in tasks]
+    envs, contexts, pending = [], [], []
+    for i, task in enumerate(tasks):
+        env = env_factory()
+        envs.append(env)
+        try:
+            obs, _ = env.reset(seed=seed, options={"task": task})
+        except Exception as exc:  # noqa: BLE001 - a broken env ends its episode, not the run
+            _fail(trajs[i], exc)
+            contexts.append([])
+            continue
+        prompt = first_prompt_ids(fmt, tokenizer, obs, settings.system_prompt)
+        contexts.append(list(prompt))
+        pending.append((i, prompt))
+    turn_no = 0
+    while pending:
+        params = SamplingParams(
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            stop_token_ids=(fmt.im_end_id,),
+            seed=seed * 1009 + turn_no,
+        )
+        completions = engine.generate([contexts[i] for i, _ in pending], params)
+        still = []
+        for (i, prompt), completion in zip(pending, completions):
+            response = completion.response_ids
+            start, end = fmt.action_span(response)
+            action_text = tokenizer.decode(response[start:end], skip_special_tokens=True)
+            turn = Turn(prompt_ids=list(prompt), response_ids=list(response), response_logprobs=list(completion.logprobs),
+                        action_start=start, action_end=end, action_text=action_text)
+            trajs[i].turns.append(turn)
+            try:
+                obs, reward, terminated, truncated, info = envs[i].step(action_text)
+            except Exception as exc:  # noqa: BLE001
+                _fail(trajs[i], exc)
+                continue
+            turn.observation, turn.reward = obs, float(reward)
+            turn.terminated, turn.truncated, turn.info = bool(terminated), bool(truncated), _safe_info(info)
+            trajs[i].success = bool(info.get("success", False))
+            if terminated or truncated:
+                trajs[i].end_reason = "success" if trajs[i].success else ("failure" if terminated else "truncated")
+                continue
+            next_prompt = next_prompt_ids(fmt, tokenizer, obs)
+            contexts[i] += response + fmt.close_ids(response) + next_prompt
+            if len(contexts[i]) + settings.max_new_tokens > settings.max_context_tokens:
+                trajs[i].end_reason = "context_limit"
+                continue
+            still.append((i, next_prompt))
+        pending = still
+        turn_no += 1
+    for env in envs:
+        env.close()
+    return trajs
+
+
+def _fail(traj: Trajectory, exc: Exception) -> None:
+    traj.end_reason = "env_error"
+    traj.error = f"{type(exc).__name__}: {exc}"
+    traj.success = False
+
+
+def success_rate(trajs: list[Trajectory]) -> float:
+    return sum(t.success for t in trajs) / max(len(trajs), 1)

@@ -1,0 +1,148 @@
+"""The Ray side of the loop: the worker classes, how they are placed, and weight sync.
+
+``TeacherWorker`` and ``RolloutWorker`` are plain classes; :func:`spawn_workers` hosts them and
+:class:`opd.training.trainer.StudentTrainer` as Ray actors with the recipe's CPU/GPU shares.
+On one machine ``ray.init`` starts a local Ray bound to loopback; with ``RAY_ADDRESS`` set the
+same code joins that cluster.
+
+Weight sync: the trainer puts its full weights into the Ray object store once
+(``export_weights``), the rollout worker copies them into its live model in place. On one
+machine the object store is shared memory; across nodes Ray moves the bytes.
+
+Example:
+    >>> workers = spawn_workers(cfg, student_path, teacher_path)  # doctest: +SKIP
+    >>> timings = sync_weights(workers)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from opd.trajectory import Trajectory
+
+
+def _set_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(max(1, n or os.cpu_count() or 1))
+
+
+class _PolicyHost:
+    """Shared mechanics of a process that holds one engine plus its tokenizer."""
+
+    def __init__(self, model_cfg: Any, path: str, torch_threads: int):
+        _set_threads(torch_threads)
+        from opd.chat import ChatFormat
+        from opd.generation import make_engine
+        from opd.models import load_tokenizer
+
+        self.engine = make_engine(model_cfg["engine"], path, model_cfg["dtype"], model_cfg["trust_remote_code"])
+        self.tokenizer = load_tokenizer(path, model_cfg["trust_remote_code"])
+        self.fmt = ChatFormat.from_tokenizer(self.tokenizer)
+
+    def collect(self, env_factory, tasks: list[str], settings, seed: int) -> tuple[list[Trajectory], dict[str, float]]:
+        """Play one episode per task; returns the trajectories and timing."""
+        from opd.rollout.vanilla import run_episodes
+
+        start = time.perf_counter()
+        trajs = run_episodes(self.engine, env_factory, tasks, self.tokenizer, self.fmt, settings, seed)
+        seconds = time.perf_counter() - start
+        tokens = sum(t.num_response_tokens for t in trajs)
+        return trajs, {"generation_s": seconds, "generated_tokens": float(tokens)}
+
+    def chat_format(self):
+        return self.fmt
+
+
+class TeacherWorker(_PolicyHost):
+    """The frozen teacher: scores the student's responses in the recipe's teacher view."""
+
+    def score(self, trajs: list[Trajectory], view: str, batch_size: int) -> list[list[list[float]]]:
+        from opd.supervision.teacher_view import score_trajectories
+
+        return score_trajectories(self.engine, trajs, view, self.fmt, batch_size=batch_size)
+
+
+class RolloutWorker(_PolicyHost):
+    """The student's inference engine: plays episodes and takes the trainer's weights."""
+
+    def update_weights(self, state_dict) -> float:
+        start = time.perf_counter()
+        self.engine.update_weights(state_dict)
+        return time.perf_counter() - start
+
+    def state_dict(self):
+        return self.engine.state_dict()
+
+
+@dataclass
+class Workers:
+    """Handles to the three actors of a run."""
+
+    teacher: Any
+    rollout: Any
+    trainer: Any
+
+
+def init_ray(resources: Any) -> None:
+    """Start a local Ray on loopback, or join ``RAY_ADDRESS``'s cluster."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    # Workers import the user's loss modules by dotted path: give them the driver's sys.path.
+    env_vars = {"PYTHONPATH": os.pathsep.join([os.getcwd(), *[p for p in sys.path if p]])}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env_vars}, log_to_driver=True)
+        return
+    ray.init(
+        num_cpus=resources.num_cpus or os.cpu_count(),
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": env_vars},
+        log_to_driver=True,
+        configure_logging=False,
+    )
+
+
+def spawn_workers(cfg: Any, student_path: str, teacher_path: str) -> Workers:
+    """Create the teacher, rollout and trainer actors with the recipe's resource shares."""
+    import ray
+    from omegaconf import OmegaConf
+
+    from opd.training.trainer import StudentTrainer
+
+    res = cfg.resources
+    threads = res.torch_threads or os.cpu_count() or 1
+    # Ray would set OMP_NUM_THREADS to an actor's (rounded-down) CPU share; on a small machine
+    # the phases run one after another, so each actor may use every core while it works.
+    thread_env = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
+    student = OmegaConf.to_container(cfg.student, resolve=True)
+    teacher = OmegaConf.to_container(cfg.teacher, resolve=True)
+    teacher_actor = ray.remote(TeacherWorker).options(
+        num_cpus=res.teacher_cpus, num_gpus=res.teacher_gpus, runtime_env=thread_env, name=None
+    ).remote(teacher, teacher_path, threads)
+    rollout_actor = ray.remote(RolloutWorker).options(
+        num_cpus=res.rollout_cpus, num_gpus=res.rollout_gpus, runtime_env=thread_env
+    ).remote(student, student_path, threads)
+    loss_terms = [(loss.name, float(loss.weight), OmegaConf.to_container(loss.args, resolve=True)) for loss in cfg.losses]
+    trainer_actor = ray.remote(StudentTrainer).options(
+        num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus, runtime_env=thread_env
+    ).remote(cfg.trainer, loss_terms, student_path, cfg.rollout.episodes_per_step, student["dtype"],
+             student["trust_remote_code"], threads)
+    return Workers(teacher=teacher_actor, rollout=rollout_actor, trainer=trainer_actor)
+
+
+def sync_weights(workers: Workers) -> dict[str, float]:
+    """Trainer -> rollout engine, in place. Returns ``weight_sync_s`` (end to end) and
+    ``weight_load_s`` (the copy inside the rollout worker)."""
+    import ray
+
+    start = time.perf_counter()
+    weights_ref = workers.trainer.export_weights.remote()
+    load_s = ray.get(workers.rollout.update_weights.remote(weights_ref))
+    return {"weight_sync_s": time.perf_counter() - start, "weight_load_s": load_s}

@@ -1,0 +1,93 @@
+"""Build the teacher's view of every turn of a trajectory and score the student's responses.
+
+Turn t's response ``y_t`` is scored under ``render_context(traj, t, view)``. Those contexts
+extend one another, so all turns of a trajectory are packed into one sequence:
+
+    trunk:   prompt_0 | shown_0 close_0 | prompt_1 | shown_1 close_1 | ... | prompt_{T-1}
+    branch t:          y_t, placed right after prompt_t, visible only to itself
+
+where ``shown_k`` is ``y_k`` in the ``full`` view and the executed action ``a_k`` in the
+``state_grounded`` view. When ``y_t`` equals ``shown_t`` (the ``full`` view, or a response
+with no reasoning) the response is scored straight off the trunk and needs no branch. One
+forward then yields every turn's teacher logprobs: the cost is one pass over the trunk plus the
+responses, instead of T passes over ever longer contexts.
+
+Example:
+    >>> request = pack_trajectory(traj, "state_grounded", fmt)  # doctest: +SKIP
+    >>> per_turn = unpack_scores(traj, request, engine.score([request])[0])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from opd.chat import ChatFormat, render_context
+from opd.generation.base import ScoreRequest
+from opd.trajectory import Trajectory
+
+
+def pack_trajectory(traj: Trajectory, view: str, fmt: ChatFormat) -> ScoreRequest:
+    """One packed :class:`ScoreRequest` that scores every response of ``traj`` in ``view``."""
+    ids: list[int] = []
+    pos: list[int] = []
+    branch: list[int] = []
+    target: list[int] = []
+    source: list[int] = []
+    trunk_len = 0  # position of the next trunk token
+
+    def extend(tokens: list[int], branch_id: int, start_pos: int) -> int:
+        ids.extend(tokens)
+        pos.extend(range(start_pos, start_pos + len(tokens)))
+        branch.extend([branch_id] * len(tokens))
+        return start_pos + len(tokens)
+
+    for t, turn in enumerate(traj.turns):
+        trunk_len = extend(turn.prompt_ids, 0, trunk_len)
+        shown = turn.response_ids if view == "full" else turn.action_ids
+        last = t + 1 == len(traj.turns)
+        on_trunk = shown == turn.response_ids
+        if on_trunk:
+            first = len(ids)
+            trunk_len = extend(turn.response_ids, 0, trunk_len)
+        else:
+            first = len(ids)
+            extend(turn.response_ids, t + 1, trunk_len)
+        for k in range(len(turn.response_ids)):
+            target.append(first + k)
+            # The first response token is predicted by the last prompt token, which sits just
+            # before the response in the packed order whether the response is a branch or not.
+            source.append(first + k - 1)
+        if last:
+            break
+        closing = fmt.close_ids(turn.response_ids)
+        if view != "full" and closing[0] != fmt.im_end_id:
+            closing = [fmt.im_end_id, *closing]
+        trunk_len = extend(([] if on_trunk else shown) + closing, 0, trunk_len)
+    return ScoreRequest(ids, pos, branch, target, source, meta={"task": traj.task})
+
+
+def naive_requests(traj: Trajectory, view: str, fmt: ChatFormat) -> list[ScoreRequest]:
+    """One unpacked request per turn: the reference that packing must reproduce (and the
+    baseline of the prefix-sharing benchmark)."""
+    requests = []
+    for t, turn in enumerate(traj.turns):
+        context = render_context(traj, t, view, fmt)
+        ids = context + turn.response_ids
+        n = len(ids)
+        targets = list(range(len(context), n))
+        requests.append(ScoreRequest(ids, list(range(n)), [0] * n, targets, [i - 1 for i in targets]))
+    return requests
+
+
+def unpack_scores(traj: Trajectory, flat: list[float]) -> list[list[float]]:
+    """Split a packed request's flat logprobs back into one list per turn."""
+    out, i = [], 0
+    for turn in traj.turns:
+        out.append(flat[i : i + len(turn.response_ids)])
+        i += len(turn.response_ids)
+    return out
+
+
+def score_trajectories(engine, trajs: list[Trajectory], view: str, fmt: ChatFormat, batch_size: int = 16) -> list[list[list[float]]]:
+    """Teacher logprobs of every response token: ``[trajectory][turn][token]``."""
+    requests = [pack_trajectory(traj, view, fmt) for traj in trajs]
+    flat = engine.score(requests, batch_size=batch_size) if requests else []
+    return [unpack_scores(traj, scores) for traj, scores in zip(trajs, flat)]

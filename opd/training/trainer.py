@@ -1,0 +1,156 @@
+"""The student trainer: a DeepSpeed engine over the student model, the recipe's losses, exact
+checkpoints and a safetensors HF export.
+
+On CPU DeepSpeed runs with its CPU accelerator and the gloo backend, one rank per trainer; on
+GPU the same code gets the CUDA accelerator and NCCL. The optimizer is torch's AdamW handed to
+DeepSpeed (its fused CPU Adam needs a compiler toolchain at run time).
+
+A micro-batch whose loss is NaN or infinite contributes no gradient: its loss is replaced by a
+zero that keeps the graph, and the step reports ``nonfinite_loss``. The driver stops the run
+after ``trainer.max_nonfinite_steps`` such steps in a row, with the last checkpoint intact.
+
+Example:
+    >>> trainer = StudentTrainer(cfg, model_dir="path/to/student")  # doctest: +SKIP
+    >>> metrics = trainer.train_step(token_batch)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opd.losses import combined_loss
+from opd.models import load_model, load_tokenizer, save_model
+from opd.trajectory import TokenBatch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_single_rank_distributed() -> None:
+    """A one-process torch.distributed world on loopback (gloo on CPU), as DeepSpeed needs."""
+    import deepspeed
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if not torch.cuda.is_available() and os.environ.get("OPD_DS_SHM_COMM") != "1":
+        # DeepSpeed would JIT-compile its shared-memory allreduce op here (minutes of C++ on a
+        # small machine) although gloo does the job; OPD_DS_SHM_COMM=1 brings it back.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+
+
+def token_logprobs(model, batch: TokenBatch) -> torch.Tensor:
+    """``[B, T]`` logprob of each token given the tokens before it (0 at t = 0)."""
+    logits_BTV = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits.float()
+    logp_BTV = torch.log_softmax(logits_BTV[:, :-1], dim=-1)
+    picked_BT = logp_BTV.gather(2, batch.input_ids_BT[:, 1:, None]).squeeze(2)
+    return torch.cat([torch.zeros_like(picked_BT[:, :1]), picked_BT], dim=1)
+
+
+class StudentTrainer:
+    """Owns the DeepSpeed engine. Plain class; :mod:`opd.runtime.actors` hosts it in Ray."""
+
+    def __init__(self, trainer_cfg: Any, loss_terms: list[tuple[str, float, dict]], model_dir: str,
+                 episodes_per_step: int, dtype: str = "float32", trust_remote_code: bool = False,
+                 torch_threads: int = 0):
+        import deepspeed
+
+        torch.set_num_threads(max(1, torch_threads or os.cpu_count() or 1))
+        init_single_rank_distributed()
+        self.loss_terms = loss_terms
+        self.micro_batch_size = int(trainer_cfg.micro_batch_size)
+        self.tokenizer = load_tokenizer(model_dir, trust_remote_code)
+        model = load_model(model_dir, dtype=dtype, trust_remote_code=trust_remote_code).train()
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=float(trainer_cfg.learning_rate),
+            betas=(float(trainer_cfg.adam_beta1), float(trainer_cfg.adam_beta2)),
+            weight_decay=float(trainer_cfg.weight_decay),
+        )
+        ds_config = {
+            "train_batch_size": episodes_per_step,
+            "train_micro_batch_size_per_gpu": self.micro_batch_size,
+            "gradient_accumulation_steps": episodes_per_step // self.micro_batch_size,
+            "gradient_clipping": float(trainer_cfg.grad_clip_norm),
+            "zero_optimization": {"stage": int(trainer_cfg.zero_stage)},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        if dtype == "bfloat16":
+            ds_config["bf16"] = {"enabled": True}
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.zero_stage = int(trainer_cfg.zero_stage)
+        self.steps = 0
+
+    def train_step(self, batch: TokenBatch) -> dict[str, float]:
+        """One optimizer update over ``batch`` (split into micro-batches)."""
+        start = time.perf_counter()
+        metrics_sum: dict[str, float] = {}
+        nonfinite = 0
+        n_micro = max(1, math.ceil(len(batch) / self.micro_batch_size))
+        for m in range(n_micro):
+            micro = batch.select(slice(m * self.micro_batch_size, (m + 1) * self.micro_batch_size))
+            micro = micro.with_student(token_logprobs(self.engine, micro))
+            loss, metrics = combined_loss(micro, self.loss_terms)
+            if not torch.isfinite(loss):
+                nonfinite += 1
+                # Keep the graph so DeepSpeed's accumulation stays in step; contribute no gradient.
+                loss = micro.student_logprobs_BT.sum() * 0.0
+            self.engine.backward(loss)
+            self.engine.step()
+            for k, v in metrics.items():
+                metrics_sum[k] = metrics_sum.get(k, 0.0) + v / n_micro
+            metrics_sum["loss"] = metrics_sum.get("loss", 0.0) + float(loss.detach()) / n_micro
+        self.steps += 1
+        metrics_sum["nonfinite_loss"] = float(nonfinite > 0)
+        metrics_sum["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
+        metrics_sum["train_tokens"] = float(batch.loss_mask_BT.sum())
+        metrics_sum["time/train_inner_s"] = time.perf_counter() - start
+        return metrics_sum
+
+    # -- weights ----------------------------------------------------------------------------
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Full (gathered) weights on CPU, keyed like the HF model's ``state_dict``."""
+        module = self.engine.module
+        if self.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def save_checkpoint(self, directory: str) -> None:
+        """DeepSpeed state (weights, optimizer, scheduler) under ``ds/`` and an HF export under
+        ``hf/`` (safetensors). The caller makes the directory's appearance atomic."""
+        directory = Path(directory)
+        self.engine.save_checkpoint(str(directory / "ds"), tag="state", client_state={"steps": self.steps})
+        model = self.engine.module
+        if self.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+                save_model(model, self.tokenizer, directory / "hf")
+        else:
+            save_model(model, self.tokenizer, directory / "hf")
+
+    def load_checkpoint(self, directory: str) -> None:
+        _, client = self.engine.load_checkpoint(str(Path(directory) / "ds"), tag="state")
+        self.steps = int((client or {}).get("steps", 0))

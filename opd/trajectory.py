@@ -1,0 +1,145 @@
+"""The data that flows: :class:`Turn`, :class:`Trajectory` and :class:`TokenBatch`.
+
+Turns hold token ids exactly as sampled. A context is rebuilt by concatenating ids (see
+:mod:`opd.chat`), never by decoding and re-encoding text, so no token drift occurs across turns.
+
+Example:
+    >>> turn = Turn(prompt_ids=[1, 2], response_ids=[7, 3], response_logprobs=[-0.1, -0.2],
+    ...             action_start=0, action_end=1, action_text="up")
+    >>> turn.action_ids
+    [7]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Turn:
+    """One student turn.
+
+    Attributes:
+        prompt_ids: tokens appended to the context just before this turn's response: at turn 0
+            the system and task messages, later the observation message; both end with the
+            assistant header that opens the response.
+        response_ids: the sampled response, exactly as generated (ends with the end-of-message
+            token unless the token budget ran out).
+        response_logprobs: the behaviour policy's logprob of each response token.
+        action_start, action_end: ``response_ids[action_start:action_end]`` is the action the
+            environment executed (the response without reasoning and end token).
+        action_text: the decoded action sent to the environment.
+        observation: the environment's answer to the action (text).
+        reward, terminated, truncated: from ``env.step``.
+        info: the JSON-safe subset of the step's info (success, valid_action, expert_action...).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    action_start: int = 0
+    action_end: int = 0
+    action_text: str = ""
+    observation: str = ""
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def action_ids(self) -> list[int]:
+        return self.response_ids[self.action_start : self.action_end]
+
+
+@dataclass
+class Trajectory:
+    """One multi-turn episode of the student in one task.
+
+    Attributes:
+        task: the task id (from the environment's split).
+        turns: the turns in order.
+        success: the environment's success flag at the end.
+        end_reason: ``success``, ``failure`` (terminated unsuccessfully), ``truncated`` (turn
+            budget), ``context_limit`` or ``env_error`` (the environment raised; see ``error``).
+        error: the exception text when ``end_reason == "env_error"``.
+    """
+
+    task: str
+    turns: list[Turn] = field(default_factory=list)
+    success: bool = False
+    end_reason: str = ""
+    error: str = ""
+
+    @property
+    def total_reward(self) -> float:
+        return float(sum(t.reward for t in self.turns))
+
+    @property
+    def num_response_tokens(self) -> int:
+        return sum(len(t.response_ids) for t in self.turns)
+
+
+@dataclass
+class TokenBatch:
+    """A padded batch of student sequences with per-token targets, as the losses see it.
+
+    Every ``*_BT`` tensor has shape ``[B, T]``. Position ``t`` of a per-token tensor refers to
+    the token ``input_ids_BT[:, t]`` predicted from tokens ``< t``; ``loss_mask_BT`` is 1.0 on the
+    student's response tokens only (never on observation or prompt tokens) and 0.0 elsewhere,
+    including at ``t = 0`` and on padding.
+
+    Attributes:
+        input_ids_BT: int64 token ids, right-padded.
+        attention_mask_BT: int64, 1 on real tokens.
+        loss_mask_BT: float32 mask of the tokens that are trained on.
+        behaviour_logprobs_BT: float32 logprobs under the policy that sampled the tokens.
+        teacher_logprobs_BT: float32 teacher logprobs of the same tokens (``sampled`` scoring).
+        turn_index_BT: int64 turn number of each response token (-1 elsewhere).
+        student_logprobs_BT: float32 logprobs under the current student, with gradient; set by
+            the trainer (:meth:`with_student`) before the loss is called.
+    """
+
+    input_ids_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    loss_mask_BT: torch.Tensor
+    behaviour_logprobs_BT: torch.Tensor
+    teacher_logprobs_BT: torch.Tensor
+    turn_index_BT: torch.Tensor
+    student_logprobs_BT: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.input_ids_BT.shape[0])
+
+    def select(self, rows: slice) -> "TokenBatch":
+        """The rows ``rows`` of every tensor (a micro-batch)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return TokenBatch(**{k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in values.items()})
+
+    def with_student(self, student_logprobs_BT: torch.Tensor) -> "TokenBatch":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["student_logprobs_BT"] = student_logprobs_BT
+        return TokenBatch(**values)
+
+    @staticmethod
+    def from_rows(rows: list[dict[str, list]], pad_id: int) -> "TokenBatch":
+        """Right-pad per-sequence lists (keys as the field names without suffix) into tensors."""
+        width = max(len(r["input_ids"]) for r in rows)
+
+        def pad(key: str, value: float | int, dtype: torch.dtype) -> torch.Tensor:
+            out = torch.full((len(rows), width), value, dtype=dtype)
+            for i, r in enumerate(rows):
+                if key in r:  # a missing key (e.g. no teacher scores for SFT) stays at its fill value
+                    out[i, : len(r[key])] = torch.tensor(r[key], dtype=dtype)
+            return out
+
+        return TokenBatch(
+            input_ids_BT=pad("input_ids", pad_id, torch.long),
+            attention_mask_BT=pad("attention_mask", 0, torch.long),
+            loss_mask_BT=pad("loss_mask", 0.0, torch.float32),
+            behaviour_logprobs_BT=pad("behaviour_logprobs", 0.0, torch.float32),
+            teacher_logprobs_BT=pad("teacher_logprobs", 0.0, torch.float32),
+            turn_index_BT=pad("turn_index", -1, torch.long),
+        )

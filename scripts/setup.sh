@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Create ./.venv and install opd with its CPU dependencies (idempotent; safe to rerun).
+# Works on a fresh Debian/Ubuntu machine with Python 3.11: it installs python3-venv with apt
+# when the interpreter cannot make a venv and we are root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3.11}"
+command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
+"$PYTHON" - <<'PY' || { echo "opd needs Python 3.11 or newer (found $($PYTHON --version 2>&1))." >&2; exit 1; }
+import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)
+PY
+if [ ! -x .venv/bin/python ]; then
+  if ! "$PYTHON" -m venv .venv 2>/dev/null; then
+    rm -rf .venv
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      apt-get update -qq && apt-get install -y -qq "python3-venv" "python$("$PYTHON" -c 'import sys;print(f"{sys.version_info[0]}.{sys.version_info[1]}")')-venv" || apt-get install -y -qq python3-venv
+      "$PYTHON" -m venv .venv
+    else
+      echo "cannot create a virtual environment: install python3-venv (sudo apt-get install python3-venv) and rerun." >&2
+      exit 1
+    fi
+  fi
+fi
+stamp=".venv/.opd-installed-$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  # torch 2.13.0 CPU first: an unpinned torch would pull a multi-GB CUDA build.
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".[cpu,dev]"
+  rm -f .venv/.opd-installed-*
+  touch "$stamp"
+fi

@@ -1,0 +1,135 @@
+"""Real Ray actors and a real DeepSpeed (CPU, gloo) trainer for two OPD steps.
+
+Nothing is faked: the TeacherWorker, RolloutWorker and StudentTrainer are Ray actors on a local
+Ray bound to loopback; the models are tiny Qwen3s bootstrapped here; the environment is
+gymnasium's FrozenLake engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from opd.config import load_config
+
+pytestmark = pytest.mark.integration
+TINY = Path(__file__).resolve().parents[1] / "data" / "tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    yield
+    ray.shutdown()
+
+
+def _cfg(tmp_path, *overrides):
+    return load_config(TINY, [f"run.output_dir={tmp_path / 'run'}", f"student.bootstrap.cache_dir={tmp_path.parent / 'cache'}",
+                              f"teacher.bootstrap.cache_dir={tmp_path.parent / 'cache'}", *overrides])
+
+
+def _paths(cfg):
+    from opd.runtime.driver import resolve_model_path
+
+    return (resolve_model_path(cfg.student, cfg.env, cfg.run.seed + 1, print),
+            resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, print))
+
+
+def test_two_steps_through_ray_and_deepspeed(tmp_path, ray_session):
+    import ray
+
+    from opd.algorithms import vanilla_opd
+    from opd.chat import ChatFormat
+    from opd.envs import EnvFactory
+    from opd.generation.hf import HFEngine
+    from opd.losses import combined_loss
+    from opd.models import load_model, load_tokenizer
+    from opd.rollout.vanilla import EpisodeSettings, run_episodes
+    from opd.runtime.actors import init_ray, spawn_workers
+    from opd.runtime.driver import RunContext
+    from opd.supervision.teacher_view import score_trajectories
+    from opd.training.trainer import token_logprobs
+
+    cfg = _cfg(tmp_path)
+    student_path, teacher_path = _paths(cfg)
+    tokenizer = load_tokenizer(student_path)
+    fmt = ChatFormat.from_tokenizer(tokenizer)
+    factory = EnvFactory(cfg.env.id, dict(cfg.env.kwargs))
+    train_tasks = factory().unwrapped.task_ids("train")
+    settings = EpisodeSettings(max_new_tokens=cfg.rollout.max_new_tokens)
+    init_ray(cfg.resources)
+    workers = spawn_workers(cfg, student_path, teacher_path)
+    ctx = RunContext(cfg, workers, factory, train_tasks, [], settings, settings, fmt)
+
+    first = vanilla_opd.train_step(ctx, 1)
+    second = vanilla_opd.train_step(ctx, 2)
+
+    # Reference for step 1, computed in this process with no Ray and no DeepSpeed.
+    tasks = vanilla_opd.sample_tasks(train_tasks, cfg.rollout.episodes_per_step, cfg.run.seed, 1)
+    trajs = run_episodes(HFEngine.from_pretrained(student_path), factory, tasks, tokenizer, fmt, settings, cfg.run.seed * 100003 + 1)
+    scores = score_trajectories(HFEngine.from_pretrained(teacher_path), trajs, "state_grounded", fmt)
+    batch = vanilla_opd.build_token_batch(trajs, scores, fmt.pad_id, fmt)
+    model = load_model(student_path)
+    expected = []
+    for half in (slice(0, 4), slice(4, 8)):  # micro_batch_size 4: the trainer averages micro-batch losses
+        micro = batch.select(half)
+        with torch.no_grad():
+            expected.append(combined_loss(micro.with_student(token_logprobs(model, micro)), [("reverse_kl", 1.0, {})])[0].item())
+    for metrics in (first, second):
+        assert math.isfinite(metrics["loss"]) and metrics["nonfinite_loss"] == 0.0
+        assert metrics["time/weight_sync_s"] > 0
+    assert first["loss"] == pytest.approx(sum(expected) / 2, abs=1e-4)
+    assert first["reverse_kl_per_token"] > 0  # a random-move student disagrees with the expert teacher
+    assert second["loss"] != first["loss"]
+
+    # After the sync the rollout engine holds exactly the trainer's weights, and they moved.
+    trained = ray.get(workers.trainer.export_weights.remote())
+    served = ray.get(workers.rollout.state_dict.remote())
+    assert trained.keys() == served.keys()
+    assert all(torch.equal(trained[k], served[k]) for k in trained)
+    initial = load_model(student_path).state_dict()
+    assert max((trained[k] - initial[k]).abs().max().item() for k in initial) > 1e-4
+
+
+def test_cli_run_directory_resume_and_nan_stop(tmp_path, ray_session, capsys):
+    from opd.cli import main
+
+    cfg_args = [f"run.output_dir={tmp_path / 'run'}", f"student.bootstrap.cache_dir={tmp_path.parent / 'cache'}",
+                f"teacher.bootstrap.cache_dir={tmp_path.parent / 'cache'}"]
+    assert main(["train", str(TINY), *cfg_args]) == 0
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "time/step_s" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        for key in ("loss", "reverse_kl_per_token", "success", "tokens_per_s", "time/generation_s",
+                    "time/teacher_scoring_s", "time/training_s", "time/weight_sync_s"):
+            assert math.isfinite(r[key]), key
+    assert {"eval/teacher_success", "eval/student_success"} <= set(records[0])
+    assert (run / "config.yaml").read_text().startswith("name: tiny")
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    hf = run / "checkpoints" / "step_2" / "hf"
+    assert (hf / "model.safetensors").is_file() and not list(hf.glob("*.bin"))
+    assert (run / "checkpoints" / "step_2" / "ds").is_dir()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["student_success_after"] is not None
+    assert (run / "report.png").stat().st_size > 1000
+
+    # Refuses to clobber, then resumes from step 2 to step 3 with no duplicated lines.
+    assert main(["train", str(TINY), *cfg_args, "run.total_steps=3"]) == 2
+    assert "pass --resume" in capsys.readouterr().out
+    assert main(["train", str(TINY), *cfg_args, "run.total_steps=3", "--resume"]) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "time/step_s" in r] == [1, 2, 3]
+
+    # A loss that is always NaN stops the run after 2 steps with a clear message; weights intact.
+    nan_args = [f"run.output_dir={tmp_path / 'nan'}", *cfg_args[1:], "losses.0.name=tests.integration.nan_loss.nan_loss",
+                "trainer.max_nonfinite_steps=2", "run.save_every_steps=0"]
+    assert main(["train", str(TINY), *nan_args]) == 2
+    out = capsys.readouterr().out
+    assert "NaN or infinite for 2 steps in a row" in out and "Lower trainer.learning_rate" in out

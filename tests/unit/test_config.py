@@ -1,0 +1,116 @@
+"""Config: every shipped recipe binds; bad input is refused with a message naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from opd.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
+
+
+def test_recipes_are_found():
+    assert ROOT / "recipes" / "quickstart.yaml" in RECIPES
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_shipped_recipe_binds_and_every_key_is_read(recipe):
+    import yaml
+    from omegaconf import OmegaConf
+
+    cfg = load_config(recipe)
+    raw = yaml.safe_load(recipe.read_text())
+    resolved = OmegaConf.to_container(cfg)
+
+    def walk(node, schema, prefix=""):
+        for key, value in node.items():
+            assert key in schema, f"{recipe.name}: key {prefix}{key} did not bind"
+            if isinstance(value, dict) and isinstance(schema[key], dict) and key not in ("kwargs", "args"):
+                walk(value, schema[key], f"{prefix}{key}.")
+
+    walk(raw, resolved)
+
+
+def _recipe(tmp_path, text: str) -> Path:
+    path = tmp_path / "r.yaml"
+    path.write_text((ROOT / "recipes" / "quickstart.yaml").read_text() + "\n" + text)
+    return path
+
+
+def test_unknown_key_names_the_key_file_and_a_suggestion(tmp_path):
+    path = _recipe(tmp_path, "")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["trainer.lerning_rate=0.1"])
+    message = str(err.value)
+    assert "unknown key 'trainer.lerning_rate'" in message
+    assert "Did you mean 'trainer.learning_rate'?" in message
+
+
+def test_unknown_key_in_the_file(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text((ROOT / "recipes" / "quickstart.yaml").read_text().replace("  keep_checkpoints: 2", "  keep_checkpoint: 2"))
+    with pytest.raises(ConfigError, match=r"r\.yaml: unknown key 'run\.keep_checkpoint'\. Did you mean 'run\.keep_checkpoints'\?"):
+        load_config(path)
+
+
+def test_wrong_type_names_key_value_and_expected_type():
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "recipes" / "quickstart.yaml", ["run.total_steps=many"])
+    assert "key 'run.total_steps' has value 'many' of type str; expected an integer." in str(err.value)
+
+
+def test_missing_model_path_is_refused_before_any_work(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "recipes" / "quickstart.yaml", ["student.bootstrap=null", f"student.path={missing}"])
+    assert f"key 'student.path': model directory '{missing}' does not exist" in str(err.value)
+
+
+def test_uncached_hub_id_is_refused_with_how_to_fix(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"'Qwen/Qwen3-32B' is not a local directory and is not in the Hugging Face cache"):
+        load_config(ROOT / "recipes" / "quickstart.yaml", ["teacher.bootstrap=null", "teacher.path=Qwen/Qwen3-32B"])
+
+
+def test_impossible_resources_are_refused():
+    with pytest.raises(ConfigError, match="ask for 65 CPUs"):
+        load_config(ROOT / "recipes" / "quickstart.yaml", ["resources.trainer_cpus=64"])
+    with pytest.raises(ConfigError, match="GPUs but this machine has 0"):
+        load_config(ROOT / "recipes" / "quickstart.yaml", ["resources.teacher_gpus=1"])
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("supervision.teacher_view=omniscient", "key 'supervision.teacher_view' is 'omniscient'; expected one of state_grounded, full"),
+        ("trainer.micro_batch_size=5", "'trainer.micro_batch_size' (5) must divide 'rollout.episodes_per_step' (32)"),
+        ("env.id=opd/Nope-v0", "unknown environment 'opd/Nope-v0'"),
+        ("env.eval_split=test", "key 'env.eval_split'"),
+        ("losses.0.name=no_such_loss", "key 'losses.0.name': \"unknown loss 'no_such_loss'"),
+        ("trainer.zero_stage=4", "expected 0, 1, 2 or 3"),
+        ("rollout.temperature=-1", "key 'rollout.temperature' is -1.0"),
+        ("notakey", "override 'notakey' is not key=value"),
+    ],
+)
+def test_bad_values_are_refused_with_the_key(override, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "recipes" / "quickstart.yaml", [override])
+    assert fragment in str(err.value)
+
+
+def test_missing_recipe_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="recipe file not found"):
+        load_config(tmp_path / "absent.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_overrides_apply():
+    cfg = load_config(ROOT / "recipes" / "quickstart.yaml", ["trainer.learning_rate=3e-4", "run.total_steps=7"])
+    assert cfg.trainer.learning_rate == 3e-4 and cfg.run.total_steps == 7

@@ -1,0 +1,255 @@
+"""Tests of the environment contract (opd.envs) and the FrozenLake text env."""
+
+from __future__ import annotations
+
+import pickle
+from collections import deque
+
+import gymnasium
+import pytest
+
+from environments.frozenlake import ACTIONS, INSTRUCTION, FrozenLakeTextEnv, expert_policy
+from opd.envs import EnvFactory, check_env, expert_action, list_envs, make_env, task_ids
+
+ENV_ID = "opd/FrozenLakeText-v0"
+SMALL = {"n_train_tasks": 50, "n_eval_tasks": 10}
+INVALID_TEMPLATE = "Invalid action '{}'. Answer with one of: left, down, right, up.\n"
+
+
+def bfs_distance(desc: tuple[str, ...], start: tuple[int, int]) -> int | None:
+    """Independent forward BFS (not the env's) from start to G avoiding H."""
+    n = len(desc)
+    seen, queue = {start: 0}, deque([start])
+    while queue:
+        r, c = queue.popleft()
+        if desc[r][c] == "G":
+            return seen[(r, c)]
+        for dr, dc in ((1, 0), (-1, 0), (0, 1), (0, -1)):
+            nr, nc = r + dr, c + dc
+            if 0 <= nr < n and 0 <= nc < n and (nr, nc) not in seen and desc[nr][nc] != "H":
+                seen[(nr, nc)] = seen[(r, c)] + 1
+                queue.append((nr, nc))
+    return None
+
+
+def grid_text(desc: tuple[str, ...], agent: tuple[int, int]) -> str:
+    rows = [[("A" if (r, c) == agent else ch) for c, ch in enumerate(row)] for r, row in enumerate(desc)]
+    return "\n".join(" ".join(row) for row in rows)
+
+
+def find_task(env: FrozenLakeTextEnv, predicate) -> str:
+    for task in env.task_ids("train"):
+        if predicate(env.task_map(task)):
+            return task
+    raise LookupError("no train task matches the predicate")
+
+
+# ----- contract checker -----
+def test_check_env_passes_on_frozenlake() -> None:
+    check_env(ENV_ID)
+    check_env(make_env(ENV_ID, **SMALL))  # instance path: fresh copies from env.spec
+
+
+class _BrokenEnv(gymnasium.Env):
+    """A tiny env that violates the contract in a configurable way."""
+
+    def __init__(self, raise_on_bad_action: bool = False, drop_success: bool = False, unseeded: bool = False) -> None:
+        self.observation_space = gymnasium.spaces.Text(max_length=64)
+        self.action_space = gymnasium.spaces.Text(max_length=64)
+        self.raise_on_bad_action = raise_on_bad_action
+        self.drop_success = drop_success
+        self.unseeded = unseeded
+
+    def task_ids(self, split: str) -> list[str]:
+        if split not in ("train", "eval"):
+            raise ValueError(split)
+        return [f"{split}-0"]
+
+    def _info(self, valid: bool) -> dict:
+        info = {"success": False, "valid_action": valid, "admissible_actions": ["go"]}
+        if self.drop_success:
+            del info["success"]
+        return info
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return "start", {"success": False, "valid_action": True, "admissible_actions": ["go"]}
+
+    def step(self, action):
+        if action != "go" and self.raise_on_bad_action:
+            raise KeyError(action)
+        # Each copy made by check_env gets a distinct id(): a stand-in for an unseeded RNG.
+        obs = f"moved {id(self)}" if self.unseeded else "moved"
+        return obs, 0.0, False, False, self._info(action == "go")
+
+
+def test_check_env_fails_when_bad_action_raises() -> None:
+    with pytest.raises(AssertionError, match="must yield an observation, not an exception"):
+        check_env(_BrokenEnv(raise_on_bad_action=True))
+
+
+def test_check_env_fails_when_info_lacks_success() -> None:
+    with pytest.raises(AssertionError, match="info lacks 'success'"):
+        check_env(_BrokenEnv(drop_success=True))
+
+
+def test_check_env_fails_when_not_deterministic() -> None:
+    with pytest.raises(AssertionError, match="diverged at step 0"):
+        check_env(_BrokenEnv(unseeded=True))
+
+
+def test_check_env_passes_on_fixed_tiny_env() -> None:
+    check_env(_BrokenEnv())  # the same env without its defects satisfies the contract
+
+
+# ----- registry helpers -----
+def test_make_env_unknown_id_lists_registered() -> None:
+    with pytest.raises(ValueError, match="unknown environment 'opd/Nope-v0'.*opd/FrozenLakeText-v0"):
+        make_env("opd/Nope-v0")
+
+
+def test_list_envs_includes_frozenlake_with_description() -> None:
+    descriptions = dict(list_envs())
+    assert descriptions[ENV_ID].startswith("FrozenLake as text")
+
+
+def test_env_factory_pickle_round_trip() -> None:
+    factory = EnvFactory(ENV_ID, {"max_turns": 5, **SMALL})
+    clone = pickle.loads(pickle.dumps(factory))
+    assert clone == factory
+    env = clone()
+    obs, info = env.reset(seed=3)
+    assert obs.startswith(INSTRUCTION)
+    assert env.unwrapped.max_turns == 5
+    assert info["task"] in task_ids(env, "train")
+
+
+# ----- splits -----
+def test_default_splits_sized_disjoint_by_content_and_deterministic() -> None:
+    a, b = FrozenLakeTextEnv(), FrozenLakeTextEnv()
+    train, eval_ = a.task_ids("train"), a.task_ids("eval")
+    assert (len(train), len(eval_)) == (2000, 200)
+    assert train == b.task_ids("train") and eval_ == b.task_ids("eval")
+    assert train[17] == "fl4-train-00017" and eval_[3] == "fl4-eval-00003"
+    train_maps = {a.task_map(t) for t in train}
+    eval_maps = {a.task_map(t) for t in eval_}
+    assert len(train_maps) == 2000 and len(eval_maps) == 200  # no duplicates within a split
+    assert not train_maps & eval_maps
+    assert [a.task_map(t) for t in eval_] == [b.task_map(t) for t in eval_]
+    assert all(bfs_distance(m, (0, 0)) is not None for m in train_maps | eval_maps)
+
+
+def test_custom_split_sizes() -> None:
+    env = FrozenLakeTextEnv(**SMALL)
+    assert len(env.task_ids("train")) == 50 and len(env.task_ids("eval")) == 10
+    # The first eval maps do not depend on how many train tasks are requested.
+    assert env.task_map("fl4-eval-00003") == FrozenLakeTextEnv().task_map("fl4-eval-00003")
+    assert FrozenLakeTextEnv(split_seed=1, **SMALL).task_map("fl4-eval-00000") != env.task_map("fl4-eval-00000")
+
+
+# ----- episodes -----
+def test_expert_solves_eval_tasks_by_shortest_path() -> None:
+    env = FrozenLakeTextEnv(max_turns=100, n_train_tasks=50, n_eval_tasks=50)
+    for task in env.task_ids("eval"):
+        obs, info = env.reset(seed=0, options={"task": task})
+        shortest = bfs_distance(env.task_map(task), (0, 0))
+        for n_moves in range(1, 101):
+            obs, reward, terminated, truncated, info = env.step(expert_policy(obs, info))
+            if terminated or truncated:
+                break
+        assert (terminated, truncated, reward, info["success"]) == (True, False, 1.0, True), task
+        assert n_moves == shortest, task
+        assert obs.startswith("You reached the goal!\n") and expert_action(info) is None
+
+
+def test_hole_terminates_with_zero_reward() -> None:
+    env = FrozenLakeTextEnv(**SMALL)
+    task = find_task(env, lambda m: m[1][0] == "H")
+    env.reset(seed=0, options={"task": task})
+    obs, reward, terminated, truncated, info = env.step("down")
+    assert (reward, terminated, truncated, info["success"], info["valid_action"]) == (0.0, True, False, False, True)
+    assert obs == "You fell into a hole.\n" + grid_text(env.task_map(task), (1, 0))
+
+
+def test_invalid_action_message_penalty_and_no_move() -> None:
+    env = FrozenLakeTextEnv(**SMALL)
+    env.reset(seed=0, options={"task": "fl4-eval-00000"})
+    bad = "I think I should go diagonally to the bottom right corner now"
+    obs, reward, terminated, truncated, info = env.step(bad)
+    assert obs == INVALID_TEMPLATE.format(bad[:40]) + grid_text(env.task_map("fl4-eval-00000"), (0, 0))
+    assert (reward, terminated, truncated, info["valid_action"], info["turn"]) == (-0.1, False, False, False, 1)
+    assert env.agent_cell == (0, 0)
+    obs, *_ = env.step("")
+    assert obs.startswith(INVALID_TEMPLATE.format(""))
+
+
+def test_action_parsing_and_wall_bump() -> None:
+    env = FrozenLakeTextEnv(**SMALL)
+    task = find_task(env, lambda m: m[0][1] != "H")
+    env.reset(seed=0, options={"task": task})
+    obs, _, _, _, info = env.step("  LEFT. ")
+    assert obs == "You bumped into the wall.\n" + grid_text(env.task_map(task), (0, 0))
+    assert info["valid_action"] and info["admissible_actions"] == list(ACTIONS)
+    obs, _, _, _, info = env.step("Right.")
+    assert obs == grid_text(env.task_map(task), (0, 1)) and env.agent_cell == (0, 1)
+
+
+def test_truncation_at_max_turns() -> None:
+    env = FrozenLakeTextEnv(max_turns=3, **SMALL)
+    env.reset(seed=0, options={"task": "fl4-eval-00001"})
+    flags = [env.step("up")[2:4] for _ in range(3)]
+    assert flags == [(False, False), (False, False), (False, True)]
+    with pytest.raises(RuntimeError, match="call reset"):
+        env.step("up")
+
+
+def test_reset_obs_and_single_agent_marker() -> None:
+    env = make_env(ENV_ID, **SMALL)
+    obs, info = env.reset(seed=5, options={"task": "fl4-eval-00003"})
+    grid = obs.removeprefix(INSTRUCTION)
+    assert obs.startswith(INSTRUCTION) and grid.count("A") == 1 and grid.split("\n")[0].startswith("A ")
+    assert grid == grid_text(env.unwrapped.task_map("fl4-eval-00003"), (0, 0)) == env.render().removeprefix(INSTRUCTION)
+    assert (info["success"], info["valid_action"], info["task"], info["turn"]) == (False, True, "fl4-eval-00003", 0)
+    assert info["expert_action"] in ACTIONS
+    # Another instance with the same kwargs accepts the id and shows the same map.
+    assert make_env(ENV_ID, **SMALL).reset(options={"task": "fl4-eval-00003"})[0] == obs
+
+
+def test_reset_without_task_is_seed_deterministic() -> None:
+    a, b = FrozenLakeTextEnv(**SMALL), FrozenLakeTextEnv(**SMALL)
+    tasks = [a.reset(seed=s)[1]["task"] for s in range(6)]
+    assert tasks == [b.reset(seed=s)[1]["task"] for s in range(6)]
+    assert set(tasks) <= set(a.task_ids("train")) and len(set(tasks)) > 1
+
+
+# ----- errors -----
+@pytest.mark.parametrize("task", ["fl4-test-00001", "fl4-eval-00010", "fl5-eval-00000", "nonsense", 3])
+def test_bad_task_id_raises_naming_it(task) -> None:
+    env = FrozenLakeTextEnv(**SMALL)
+    with pytest.raises(ValueError, match=repr(task)):
+        env.reset(options={"task": task})
+
+
+def test_unknown_split_raises_naming_it() -> None:
+    with pytest.raises(ValueError, match="unknown split 'test'.*'train', 'eval'"):
+        FrozenLakeTextEnv(**SMALL).task_ids("test")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"map_size": 1}, "map_size=1"),
+        ({"frozen_prob": 0.0}, "frozen_prob=0.0"),
+        ({"frozen_prob": 1.5}, "frozen_prob=1.5"),
+        ({"max_turns": 0}, "max_turns=0"),
+        ({"invalid_action_penalty": -1.0}, "invalid_action_penalty=-1.0"),
+    ],
+)
+def test_bad_kwarg_raises_naming_it(kwargs, name) -> None:
+    with pytest.raises(ValueError, match=name):
+        FrozenLakeTextEnv(**kwargs)
+
+
+def test_too_few_distinct_maps_raises() -> None:
+    with pytest.raises(ValueError, match="too few distinct solvable 2x2 maps"):
+        FrozenLakeTextEnv(map_size=2).task_ids("train")

@@ -1,0 +1,35 @@
+"""Tokenizer checks and the tiny-model factory."""
+
+from __future__ import annotations
+
+import pytest
+
+from opd.config import TinyArchConfig
+from opd.models import TokenizerMismatchError, check_tokenizers_match, load_model, save_model, tiny_qwen3, train_chat_tokenizer
+
+
+def test_matching_tokenizers_pass(tokenizer):
+    check_tokenizers_match(tokenizer, tokenizer)
+
+
+def test_a_teacher_with_another_tokenizer_is_named_precisely(tokenizer):
+    other = train_chat_tokenizer(["completely different corpus about chemistry and titration"], vocab_size=280)
+    with pytest.raises(TokenizerMismatchError) as err:
+        check_tokenizers_match(tokenizer, other)
+    message = str(err.value)
+    assert message.startswith("the teacher's tokenizer differs from the student's: vocabulary sizes differ: student 300, teacher 280")
+    assert "tokens only the student has" in message and "same tokens with different ids" in message
+    assert "Use a teacher from the student's model family" in message
+
+
+def test_tiny_qwen3_is_seeded_and_round_trips_through_safetensors(tokenizer, tmp_path):
+    arch = TinyArchConfig(hidden_size=64, num_layers=1, num_heads=1, intermediate_size=64)
+    a, b, c = tiny_qwen3(tokenizer, arch, seed=1), tiny_qwen3(tokenizer, arch, seed=1), tiny_qwen3(tokenizer, arch, seed=2)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all((sa[k] == sb[k]).all() for k in sa)
+    assert any((sa[k] != sc[k]).any() for k in sa)
+    assert a.config.head_dim == 64 and a.config.vocab_size == len(tokenizer)
+    save_model(a, tokenizer, tmp_path)
+    assert (tmp_path / "model.safetensors").is_file() and not list(tmp_path.glob("*.bin"))
+    loaded = load_model(str(tmp_path)).state_dict()
+    assert all((loaded[k] == sa[k]).all() for k in sa)
