@@ -113,6 +113,9 @@ class TrainerConfig:
     """The DeepSpeed student trainer."""
 
     learning_rate: float = 1e-4  # AdamW learning rate
+    warmup_steps: int = 10  # linear learning-rate warm-up; Adam's first steps are full-size otherwise
+    lr_schedule: str = "constant"  # constant | cosine (to min_lr_ratio at run.total_steps)
+    min_lr_ratio: float = 0.1  # final learning rate / peak, for the cosine schedule
     weight_decay: float = 0.0  # AdamW weight decay
     adam_beta1: float = 0.9  # AdamW beta1
     adam_beta2: float = 0.999  # AdamW beta2
@@ -299,6 +302,7 @@ def validate(cfg: Any, source: str = "config") -> None:
     ]:
         _check_positive(value, key, source)
     _check_positive(rollout.temperature, "rollout.temperature", source, allow_zero=True)
+    _check_choice(trainer.lr_schedule, ("constant", "cosine"), "trainer.lr_schedule", source)
     if trainer.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"{source}: key 'trainer.zero_stage' is {trainer.zero_stage}; expected 0, 1, 2 or 3.")
     if rollout.episodes_per_step % trainer.micro_batch_size:

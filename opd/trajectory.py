@@ -118,6 +118,11 @@ class TokenBatch:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return TokenBatch(**{k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in values.items()})
 
+    def to(self, device) -> "TokenBatch":
+        """Every tensor moved to ``device``."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return TokenBatch(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in values.items()})
+
     def with_student(self, student_logprobs_BT: torch.Tensor) -> "TokenBatch":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values["student_logprobs_BT"] = student_logprobs_BT

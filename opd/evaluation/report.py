@@ -50,8 +50,8 @@ def render_summary(console: Any, summary: dict[str, Any], cfg: Any) -> None:
     table = Table(title=f"opd summary: {cfg.name} ({summary['eval_episodes']} held-out tasks, greedy)")
     table.add_column("policy")
     table.add_column("held-out success", justify="right")
-    teacher_src = "bootstrap: SFT on the expert" if cfg.teacher.bootstrap is not None else cfg.teacher.path
-    student_src = "bootstrap: SFT on random valid moves" if cfg.student.bootstrap is not None else cfg.student.path
+    teacher_src = _source(cfg.teacher)
+    student_src = _source(cfg.student)
     table.add_row(f"teacher ({teacher_src})", fmt(summary["teacher_success"]))
     table.add_row(f"student before ({student_src})", fmt(summary["student_success_before"]))
     table.add_row(f"student after {summary['steps']} OPD steps", fmt(summary["student_success_after"]))
@@ -62,6 +62,14 @@ def render_summary(console: Any, summary: dict[str, Any], cfg: Any) -> None:
         f"teacher scoring {split['teacher_scoring_s_per_step']:.2f}s, training {split['training_s_per_step']:.2f}s, "
         f"weight sync {split['weight_sync_s_per_step']:.3f}s. Run directory: {summary['run_dir']}"
     )
+
+
+def _source(model_cfg: Any) -> str:
+    boot = model_cfg.bootstrap
+    if boot is None:
+        return model_cfg.path
+    policy = "the expert" if boot.policy == "expert" else "random valid moves"
+    return f"bootstrap: {boot.sft_steps} SFT steps on {policy}"
 
 
 def write_report_plot(run_dir: Path) -> Path | None:

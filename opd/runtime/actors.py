@@ -133,7 +133,7 @@ def spawn_workers(cfg: Any, student_path: str, teacher_path: str) -> Workers:
     trainer_actor = ray.remote(StudentTrainer).options(
         num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus, runtime_env=thread_env
     ).remote(cfg.trainer, loss_terms, student_path, cfg.rollout.episodes_per_step, student["dtype"],
-             student["trust_remote_code"], threads)
+             student["trust_remote_code"], threads, cfg.run.total_steps)
     return Workers(teacher=teacher_actor, rollout=rollout_actor, trainer=trainer_actor)
 
 

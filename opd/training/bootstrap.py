@@ -34,7 +34,7 @@ from opd.models import load_tokenizer, save_model, tiny_qwen3, train_chat_tokeni
 from opd.trajectory import TokenBatch, Trajectory, Turn
 
 TOKENIZER_CORPUS_EPISODES = 300
-CACHE_VERSION = 1  # bump when the recipe of a bootstrapped model changes
+CACHE_VERSION = 2  # bump when the recipe of a bootstrapped model, or its environment's text, changes
 
 
 def _digest(payload: Any) -> str:

@@ -63,12 +63,28 @@ def token_logprobs(model, batch: TokenBatch) -> torch.Tensor:
     return torch.cat([torch.zeros_like(picked_BT[:, :1]), picked_BT], dim=1)
 
 
+def lr_multiplier(trainer_cfg: Any, total_steps: int):
+    """Step -> learning-rate factor: linear warm-up, then constant or cosine to ``min_lr_ratio``."""
+    warmup = max(1, int(trainer_cfg.warmup_steps))
+    cosine = trainer_cfg.lr_schedule == "cosine"
+    floor = float(trainer_cfg.min_lr_ratio)
+    total = max(1, int(total_steps))
+
+    def factor(step: int) -> float:
+        ramp = min(1.0, (step + 1) / warmup)
+        if not cosine:
+            return ramp
+        return ramp * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total)))
+
+    return factor
+
+
 class StudentTrainer:
     """Owns the DeepSpeed engine. Plain class; :mod:`opd.runtime.actors` hosts it in Ray."""
 
     def __init__(self, trainer_cfg: Any, loss_terms: list[tuple[str, float, dict]], model_dir: str,
                  episodes_per_step: int, dtype: str = "float32", trust_remote_code: bool = False,
-                 torch_threads: int = 0):
+                 torch_threads: int = 0, total_steps: int = 1):
         import deepspeed
 
         torch.set_num_threads(max(1, torch_threads or os.cpu_count() or 1))
@@ -83,6 +99,8 @@ class StudentTrainer:
             betas=(float(trainer_cfg.adam_beta1), float(trainer_cfg.adam_beta2)),
             weight_decay=float(trainer_cfg.weight_decay),
         )
+        # The scheduler lives in DeepSpeed's checkpoint, so a resumed run continues its schedule.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(trainer_cfg, total_steps))
         ds_config = {
             "train_batch_size": episodes_per_step,
             "train_micro_batch_size_per_gpu": self.micro_batch_size,
@@ -95,7 +113,8 @@ class StudentTrainer:
         }
         if dtype == "bfloat16":
             ds_config["bf16"] = {"enabled": True}
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                                    config=ds_config)
         self.zero_stage = int(trainer_cfg.zero_stage)
         self.steps = 0
 
@@ -106,7 +125,7 @@ class StudentTrainer:
         nonfinite = 0
         n_micro = max(1, math.ceil(len(batch) / self.micro_batch_size))
         for m in range(n_micro):
-            micro = batch.select(slice(m * self.micro_batch_size, (m + 1) * self.micro_batch_size))
+            micro = batch.select(slice(m * self.micro_batch_size, (m + 1) * self.micro_batch_size)).to(self.engine.device)
             micro = micro.with_student(token_logprobs(self.engine, micro))
             loss, metrics = combined_loss(micro, self.loss_terms)
             if not torch.isfinite(loss):
@@ -122,6 +141,7 @@ class StudentTrainer:
         metrics_sum["nonfinite_loss"] = float(nonfinite > 0)
         metrics_sum["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
         metrics_sum["train_tokens"] = float(batch.loss_mask_BT.sum())
+        metrics_sum["learning_rate"] = float(self.engine.get_lr()[0])
         metrics_sum["time/train_inner_s"] = time.perf_counter() - start
         return metrics_sum
 

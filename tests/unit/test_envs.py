@@ -34,7 +34,21 @@ def bfs_distance(desc: tuple[str, ...], start: tuple[int, int]) -> int | None:
 
 def grid_text(desc: tuple[str, ...], agent: tuple[int, int]) -> str:
     rows = [[("A" if (r, c) == agent else ch) for c, ch in enumerate(row)] for r, row in enumerate(desc)]
-    return "\n".join(" ".join(row) for row in rows)
+    n = len(desc)
+    near = []
+    for move, (dr, dc) in (("left", (0, -1)), ("down", (1, 0)), ("right", (0, 1)), ("up", (-1, 0))):
+        r, c = agent[0] + dr, agent[1] + dc
+        near.append(f"{move} {desc[r][c] if 0 <= r < n and 0 <= c < n else 'wall'}")
+    return "\n".join(" ".join(row) for row in rows) + "\nAround you: " + ", ".join(near) + "."
+
+
+def test_surroundings_line_names_walls_and_cells() -> None:
+    env = FrozenLakeTextEnv(**SMALL)
+    obs, _ = env.reset(options={"task": "fl4-eval-00000"})
+    m = env.task_map("fl4-eval-00000")
+    assert obs.endswith(f"\nAround you: left wall, down {m[1][0]}, right {m[0][1]}, up wall.")
+    plain = FrozenLakeTextEnv(describe_surroundings=False, **SMALL)
+    assert "Around you" not in plain.reset(options={"task": "fl4-eval-00000"})[0]
 
 
 def find_task(env: FrozenLakeTextEnv, predicate) -> str:
@@ -207,7 +221,7 @@ def test_reset_obs_and_single_agent_marker() -> None:
     env = make_env(ENV_ID, **SMALL)
     obs, info = env.reset(seed=5, options={"task": "fl4-eval-00003"})
     grid = obs.removeprefix(INSTRUCTION)
-    assert obs.startswith(INSTRUCTION) and grid.count("A") == 1 and grid.split("\n")[0].startswith("A ")
+    assert obs.startswith(INSTRUCTION) and grid.split("Around")[0].count("A") == 1 and grid.split("\n")[0].startswith("A ")
     assert grid == grid_text(env.unwrapped.task_map("fl4-eval-00003"), (0, 0)) == env.render().removeprefix(INSTRUCTION)
     assert (info["success"], info["valid_action"], info["task"], info["turn"]) == (False, True, "fl4-eval-00003", 0)
     assert info["expert_action"] in ACTIONS
