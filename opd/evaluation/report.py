@@ -19,15 +19,15 @@ class Progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
             self.live = RichProgress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TextColumn("[bold]train"), BarColumn(bar_width=24), MofNCompleteColumn(), TimeElapsedColumn(),
                 TimeRemainingColumn(), TextColumn("{task.fields[status]}"), console=console, transient=False,
             )
             self.task = self.live.add_task("train", total=total, completed=start, status="")
             self.live.start()
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
-        status = (f"loss {metrics.get('loss', float('nan')):+.4f}  rkl/tok {metrics.get('reverse_kl_per_token', float('nan')):.3f}  "
-                  f"success {metrics.get('success', 0.0):.2f}  {metrics.get('time/step_s', 0.0):.2f}s/step")
+        status = (f"loss {metrics.get('loss', float('nan')):+.3f} kl {metrics.get('reverse_kl_per_token', float('nan')):.3f} "
+                  f"succ {metrics.get('success', 0.0):.2f} {metrics.get('time/step_s', 0.0):.1f}s/it")
         if "eval/student_success" in metrics:
             status += f"  eval {metrics['eval/student_success']:.2f}"
         if self.live is not None:

@@ -124,7 +124,7 @@ def spawn_workers(cfg: Any, student_path: str, teacher_path: str) -> Workers:
     student = OmegaConf.to_container(cfg.student, resolve=True)
     teacher = OmegaConf.to_container(cfg.teacher, resolve=True)
     teacher_actor = ray.remote(TeacherWorker).options(
-        num_cpus=res.teacher_cpus, num_gpus=res.teacher_gpus, runtime_env=thread_env, name=None
+        num_cpus=res.teacher_cpus, num_gpus=res.teacher_gpus, runtime_env=thread_env
     ).remote(teacher, teacher_path, threads)
     rollout_actor = ray.remote(RolloutWorker).options(
         num_cpus=res.rollout_cpus, num_gpus=res.rollout_gpus, runtime_env=thread_env

@@ -2,7 +2,8 @@
 
 Everything a run writes lives in ``run.output_dir``:
 
-- ``config.yaml``: the resolved config; ``metrics.jsonl``: one JSON line per step and per
+- ``config.yaml``: the resolved config; ``trajectories/``: every evaluation episode as text;
+  ``metrics.jsonl``: one JSON line per step and per
   evaluation; ``tb/``: tensorboard events; ``checkpoints/step_N/``: see
   :mod:`opd.training.checkpoint`; ``summary.json`` and ``report.png`` at the end.
 
@@ -53,7 +54,9 @@ class MetricsLog:
                     if line.strip() and _line_step(line) <= keep_until_step]
             atomic_write_text(self.path, "".join(line + "\n" for line in kept))
         elif keep_until_step is None and self.path.exists():
-            self.path.unlink()
+            # A fresh start in a directory whose earlier run never reached a checkpoint: keep
+            # that run's log beside the new one rather than deleting it.
+            self.path.rename(self.path.with_name(f"metrics.{int(time.time())}.jsonl"))
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb = SummaryWriter(str(run_dir / "tb"))
@@ -85,8 +88,9 @@ def resolve_model_path(model_cfg: Any, env_cfg: Any, seed: int, log: Callable[[s
     return model_cfg.path
 
 
-def evaluate(ctx: RunContext, who: str) -> dict[str, float]:
-    """Greedy success on the held-out tasks, played by the student or the teacher."""
+def evaluate(ctx: RunContext, who: str, step: int = 0) -> dict[str, float]:
+    """Greedy success on the held-out tasks, played by the student or the teacher; the episodes
+    are kept as readable text in ``trajectories/{who}_step_N.jsonl``."""
     import ray
 
     from opd.rollout.vanilla import success_rate
@@ -94,11 +98,22 @@ def evaluate(ctx: RunContext, who: str) -> dict[str, float]:
     worker = ctx.workers.rollout if who == "student" else ctx.workers.teacher
     tasks = ctx.eval_tasks
     trajs, gen = ray.get(worker.collect.remote(ctx.env_factory, tasks, ctx.eval_settings, ctx.cfg.run.seed))
+    _write_trajectories(Path(ctx.cfg.run.output_dir) / "trajectories" / f"{who}_step_{step}.jsonl", trajs)
     return {
         f"eval/{who}_success": success_rate(trajs),
         f"eval/{who}_turns": sum(len(t.turns) for t in trajs) / max(len(trajs), 1),
         f"eval/{who}_time_s": gen["generation_s"],
     }
+
+
+def _write_trajectories(path: Path, trajs: list) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for traj in trajs:
+        turns = [{"action": t.action_text, "observation": t.observation, "reward": t.reward, **t.info} for t in traj.turns]
+        lines.append(json.dumps({"task": traj.task, "success": traj.success, "end_reason": traj.end_reason,
+                                 "error": traj.error, "turns": turns}))
+    atomic_write_text(path, "\n".join(lines) + "\n")
 
 
 def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]:
@@ -176,7 +191,7 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
             state["step"] = step
             nonfinite_streak = nonfinite_streak + 1 if step_metrics.get("nonfinite_loss") else 0
             if cfg.run.eval_every_steps and step % cfg.run.eval_every_steps == 0 and step < cfg.run.total_steps:
-                record = evaluate(ctx, "student")
+                record = evaluate(ctx, "student", step)
                 step_metrics.update(record)
                 state["evals"].append({"step": step, **record})
             metrics.write(step, step_metrics)
@@ -191,7 +206,7 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
             last_step = step == cfg.run.total_steps
             if last_step or (cfg.run.save_every_steps and step % cfg.run.save_every_steps == 0):
                 if last_step:
-                    record = evaluate(ctx, "student")
+                    record = evaluate(ctx, "student", step)
                     state["student_success_after"] = record["eval/student_success"]
                     state["evals"].append({"step": step, **record})
                     metrics.write(step, record)

@@ -119,6 +119,9 @@ def test_cli_run_directory_resume_and_nan_stop(tmp_path, ray_session, capsys):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["student_success_after"] is not None
     assert (run / "report.png").stat().st_size > 1000
+    episodes = [json.loads(line) for line in (run / "trajectories" / "student_step_2.jsonl").read_text().splitlines()]
+    assert len(episodes) == 4 and all(e["turns"] and "observation" in e["turns"][0] for e in episodes)
+    assert (run / "trajectories" / "teacher_step_0.jsonl").is_file()
 
     # Refuses to clobber, then resumes from step 2 to step 3 with no duplicated lines.
     assert main(["train", str(TINY), *cfg_args, "run.total_steps=3"]) == 2
