@@ -9,7 +9,7 @@ import pytest
 from opd.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
+RECIPES = sorted([*(ROOT / "recipes").rglob("*.yaml"), *(ROOT / "examples").rglob("*.yaml")])
 
 
 def test_recipes_are_found():
