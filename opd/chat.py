@@ -70,6 +70,17 @@ class ChatFormat:
         end = [] if response_ids and response_ids[-1] == self.im_end_id else [self.im_end_id]
         return [*end, *self.newline_ids]
 
+    def shown_and_close_ids(self, turn, view: str) -> tuple[list[int], list[int]]:
+        """What a past turn shows in ``view`` (its response, or only its action) and the ids
+        that close the message. The closing depends on the sampled response (was it cut
+        short?), so both views close a message the same way."""
+        if view == "full":
+            return turn.response_ids, self.close_ids(turn.response_ids)
+        closing = self.close_ids(turn.response_ids)
+        if closing[0] != self.im_end_id:  # the action excludes the end token: put it back
+            closing = [self.im_end_id, *closing]
+        return turn.action_ids, closing
+
     def action_span(self, response_ids: list[int]) -> tuple[int, int]:
         """``(start, end)`` of the action inside a response: after ``</think>``, before ``<|im_end|>``."""
         start = 0
@@ -97,12 +108,7 @@ def next_prompt_ids(fmt: ChatFormat, tokenizer, observation: str) -> list[int]:
 
 def _past_turn_ids(fmt: ChatFormat, traj: Trajectory, k: int, view: str) -> list[int]:
     turn = traj.turns[k]
-    shown = turn.response_ids if view == "full" else turn.action_ids
-    # The closing depends on the sampled response (was it cut short?), not on what is shown,
-    # so both views close a message the same way.
-    closing = fmt.close_ids(turn.response_ids)
-    if view != "full" and closing[0] != fmt.im_end_id:
-        closing = [fmt.im_end_id, *closing]
+    shown, closing = fmt.shown_and_close_ids(turn, view)
     return [*turn.prompt_ids, *shown, *closing]
 
 

@@ -215,11 +215,7 @@ def _merge(base: DictConfig, extra: DictConfig, source: str) -> DictConfig:
         key = exc.full_key or str(exc.key)
         raise ConfigError(f"{source}: unknown key '{key}'.{_suggest(key)}") from None
     except oc_errors.ValidationError as exc:
-        expected = _expected_type(exc)
-        raise ConfigError(
-            f"{source}: key '{exc.full_key}' has value {exc.value!r} of type "
-            f"{type(exc.value).__name__}; expected {expected}."
-        ) from None
+        raise _type_error(exc, source) from None
 
 
 def _apply_override(cfg: DictConfig, item: str) -> None:
@@ -238,12 +234,16 @@ def _apply_override(cfg: DictConfig, item: str) -> None:
         full_key = getattr(exc, "full_key", None) or key
         raise ConfigError(f"{source}: unknown key '{full_key}'.{_suggest(full_key)}") from None
     except oc_errors.ValidationError as exc:
-        raise ConfigError(
-            f"{source}: key '{exc.full_key}' has value {exc.value!r} of type "
-            f"{type(exc.value).__name__}; expected {_expected_type(exc)}."
-        ) from None
+        raise _type_error(exc, source) from None
     except (oc_errors.OmegaConfBaseException, IndexError, TypeError) as exc:
         raise ConfigError(f"{source}: {str(exc).splitlines()[0]}") from None
+
+
+def _type_error(exc: oc_errors.ValidationError, source: str) -> ConfigError:
+    return ConfigError(
+        f"{source}: key '{exc.full_key}' has value {exc.value!r} of type "
+        f"{type(exc.value).__name__}; expected {_expected_type(exc)}."
+    )
 
 
 def _expected_type(exc: oc_errors.ValidationError) -> str:

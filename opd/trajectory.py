@@ -12,7 +12,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -113,20 +113,20 @@ class TokenBatch:
     def __len__(self) -> int:
         return int(self.input_ids_BT.shape[0])
 
+    def _map(self, fn) -> "TokenBatch":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return TokenBatch(**{k: (fn(v) if isinstance(v, torch.Tensor) else v) for k, v in values.items()})
+
     def select(self, rows: slice) -> "TokenBatch":
         """The rows ``rows`` of every tensor (a micro-batch)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return TokenBatch(**{k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in values.items()})
+        return self._map(lambda t: t[rows])
 
     def to(self, device) -> "TokenBatch":
         """Every tensor moved to ``device``."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return TokenBatch(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in values.items()})
+        return self._map(lambda t: t.to(device))
 
     def with_student(self, student_logprobs_BT: torch.Tensor) -> "TokenBatch":
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values["student_logprobs_BT"] = student_logprobs_BT
-        return TokenBatch(**values)
+        return replace(self, student_logprobs_BT=student_logprobs_BT)
 
     @staticmethod
     def from_rows(rows: list[dict[str, list]], pad_id: int) -> "TokenBatch":

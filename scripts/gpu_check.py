@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
@@ -75,7 +76,7 @@ def main() -> None:
             "trainer_device": str(trainer.engine.device),
         }
         trainer.save_checkpoint(f"{work}/ckpt{stage}")
-        out[f"zero{stage}"]["hf_export"] = sorted(p.name for p in __import__("pathlib").Path(f"{work}/ckpt{stage}/hf").iterdir())
+        out[f"zero{stage}"]["hf_export"] = sorted(p.name for p in Path(f"{work}/ckpt{stage}/hf").iterdir())
         student.update_weights(HFEngine.from_pretrained(f"{work}/student").state_dict())  # reset for the next stage
         del trainer
     print("GPU_CHECK " + json.dumps(out))

@@ -41,7 +41,7 @@ def pack_trajectory(traj: Trajectory, view: str, fmt: ChatFormat) -> ScoreReques
 
     for t, turn in enumerate(traj.turns):
         trunk_len = extend(turn.prompt_ids, 0, trunk_len)
-        shown = turn.response_ids if view == "full" else turn.action_ids
+        shown, closing = fmt.shown_and_close_ids(turn, view)
         last = t + 1 == len(traj.turns)
         on_trunk = shown == turn.response_ids
         if on_trunk:
@@ -57,9 +57,6 @@ def pack_trajectory(traj: Trajectory, view: str, fmt: ChatFormat) -> ScoreReques
             source.append(first + k - 1)
         if last:
             break
-        closing = fmt.close_ids(turn.response_ids)
-        if view != "full" and closing[0] != fmt.im_end_id:
-            closing = [fmt.im_end_id, *closing]
         trunk_len = extend(([] if on_trunk else shown) + closing, 0, trunk_len)
     return ScoreRequest(ids, pos, branch, target, source, meta={"task": traj.task})
 

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -146,15 +147,18 @@ class StudentTrainer:
         return metrics_sum
 
     # -- weights ----------------------------------------------------------------------------
+    def _full_parameters(self):
+        """A context in which the module holds its full parameters (ZeRO-3 partitions them)."""
+        if self.zero_stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None)
+
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Full (gathered) weights on CPU, keyed like the HF model's ``state_dict``."""
-        module = self.engine.module
-        if self.zero_stage == 3:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        with self._full_parameters():
+            return {k: v.detach().cpu().clone() for k, v in self.engine.module.state_dict().items()}
 
     # -- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self, directory: str) -> None:
@@ -162,14 +166,8 @@ class StudentTrainer:
         ``hf/`` (safetensors). The caller makes the directory's appearance atomic."""
         directory = Path(directory)
         self.engine.save_checkpoint(str(directory / "ds"), tag="state", client_state={"steps": self.steps})
-        model = self.engine.module
-        if self.zero_stage == 3:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-                save_model(model, self.tokenizer, directory / "hf")
-        else:
-            save_model(model, self.tokenizer, directory / "hf")
+        with self._full_parameters():
+            save_model(self.engine.module, self.tokenizer, directory / "hf")
 
     def load_checkpoint(self, directory: str) -> None:
         _, client = self.engine.load_checkpoint(str(Path(directory) / "ds"), tag="state")
