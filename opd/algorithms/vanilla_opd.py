@@ -22,46 +22,78 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 from typing import Any
 
 import ray
+import torch
 
 from opd.chat import student_sequence
+from opd.generation.base import TokenScores
+from opd.losses import group_advantages
 from opd.rollout.vanilla import success_rate
 from opd.runtime.actors import sync_weights
 from opd.trajectory import TokenBatch, Trajectory
 
 
-def sample_tasks(tasks: list[str], n: int, seed: int, step: int) -> list[str]:
-    """Step ``step``'s training tasks: a pure function of (seed, step), so a resumed run draws
-    exactly the tasks an uninterrupted one would."""
+def sample_tasks(tasks: list[str], n: int, seed: int, step: int, group_size: int = 1) -> list[str]:
+    """Step ``step``'s training tasks, each repeated ``group_size`` times in a row: a pure
+    function of (seed, step), so a resumed run draws exactly the tasks an uninterrupted one would."""
     rng = random.Random(f"{seed}:{step}")
-    return [tasks[rng.randrange(len(tasks))] for _ in range(n)]
+    return [task for _ in range(n // group_size) for task in [tasks[rng.randrange(len(tasks))]] * group_size]
 
 
-def build_token_batch(trajs: list[Trajectory], teacher_scores: list[list[list[float]]], pad_id: int, fmt) -> TokenBatch:
-    """One row per trajectory, teacher logprobs placed on the response tokens."""
-    rows = []
-    for traj, per_turn in zip(trajs, teacher_scores):
-        row = student_sequence(traj, fmt)
-        teacher = [0.0] * len(row["input_ids"])
-        for (start, end), scores in zip(row["response_positions"], per_turn):
-            teacher[start:end] = scores
-        row["teacher_logprobs"] = teacher
-        rows.append(row)
-    return TokenBatch.from_rows(rows, pad_id)
+def build_token_batch(trajs: list[Trajectory], scores: list[TokenScores], pad_id: int, fmt,
+                      group_size: int = 1) -> TokenBatch:
+    """One row per trajectory with the teacher's scores placed on its response tokens, and
+    group-relative advantages of the episodes' returns (groups of ``group_size`` consecutive
+    trajectories, which played the same task)."""
+    rows = [student_sequence(traj, fmt) for traj in trajs]
+    for row, score in zip(rows, scores):
+        row["teacher_logprobs"] = _place(row, score.logprobs, 0.0)
+    batch = TokenBatch.from_rows(rows, pad_id)
+    B, T = batch.input_ids_BT.shape
+    # Token n of a trajectory's flat scores sits at the n-th response position of its row.
+    index = [[p for start, end in row["response_positions"] for p in range(start, end)] for row in rows]
+    if scores and scores[0].topk_ids is not None:
+        K = scores[0].topk_ids.shape[1]
+        ids_BTK = torch.zeros(B, T, K, dtype=torch.long)
+        logp_BTK = torch.full((B, T, K), float("-inf"))
+        tail_BT = torch.zeros(B, T)
+        for b, (positions, score) in enumerate(zip(index, scores)):
+            ids_BTK[b, positions] = score.topk_ids
+            logp_BTK[b, positions] = score.topk_logprobs
+            tail_BT[b, positions] = score.tail_logprob
+        batch = replace(batch, teacher_topk_ids_BTK=ids_BTK, teacher_topk_logprobs_BTK=logp_BTK, teacher_tail_logprob_BT=tail_BT)
+    if scores and scores[0].full_logprobs is not None:
+        full_BTV = torch.zeros(B, T, scores[0].full_logprobs.shape[1])
+        for b, (positions, score) in enumerate(zip(index, scores)):
+            full_BTV[b, positions] = score.full_logprobs
+        batch = replace(batch, teacher_full_logprobs_BTV=full_BTV)
+    rewards = torch.tensor([traj.total_reward for traj in trajs])
+    groups = torch.arange(len(trajs)) // max(1, group_size)
+    return replace(batch, advantage_B=group_advantages(rewards, groups))
+
+
+def _place(row: dict, flat: list[float], fill: float) -> list[float]:
+    out = [fill] * len(row["input_ids"])
+    i = 0
+    for start, end in row["response_positions"]:
+        out[start:end] = flat[i : i + end - start]
+        i += end - start
+    return out
 
 
 def train_step(ctx: Any, step: int) -> dict[str, float]:
     """Run one OPD step; ``ctx`` is the driver's :class:`opd.runtime.driver.RunContext`."""
     cfg, workers = ctx.cfg, ctx.workers
     start = time.perf_counter()
-    tasks = sample_tasks(ctx.train_tasks, cfg.rollout.episodes_per_step, cfg.run.seed, step)
+    tasks = sample_tasks(ctx.train_tasks, cfg.rollout.episodes_per_step, cfg.run.seed, step, cfg.rollout.group_size)
     trajs, gen = ray.get(workers.rollout.collect.remote(ctx.env_factory, tasks, ctx.train_settings, cfg.run.seed * 100003 + step))
     t_gen = time.perf_counter()
-    scores = ray.get(workers.teacher.score.remote(trajs, cfg.supervision.teacher_view, cfg.supervision.score_batch_size))
+    scores = ray.get(workers.teacher.score.remote(trajs, cfg.supervision))
     t_score = time.perf_counter()
-    batch = build_token_batch(trajs, scores, ctx.fmt.pad_id, ctx.fmt)
+    batch = build_token_batch(trajs, scores, ctx.fmt.pad_id, ctx.fmt, cfg.rollout.group_size)
     train_metrics = ray.get(workers.trainer.train_step.remote(batch))
     t_train = time.perf_counter()
     sync = sync_weights(workers)
@@ -73,6 +105,7 @@ def train_step(ctx: Any, step: int) -> dict[str, float]:
         "env_errors": float(sum(t.end_reason == "env_error" for t in trajs)),
         "valid_action_rate": _valid_rate(trajs),
         "tokens_per_s": gen["generated_tokens"] / max(gen["generation_s"], 1e-9),
+        "teacher_payload_mb": sum(s.nbytes() for s in scores) / 2**20,
         "time/generation_s": t_gen - start,
         "time/teacher_scoring_s": t_score - t_gen,
         "time/training_s": t_train - t_score,

@@ -4,9 +4,10 @@ An engine holds one model and answers three calls, all in token ids (no text cro
 
 - ``generate(prompts, params)``: sample a response for each prompt, with the behaviour logprob
   of every sampled token (needed for the importance ratio of the policy-gradient losses).
-- ``score(requests)``: logprobs of given tokens under given contexts, at temperature 1. A
-  request is a *packed* sequence: a trunk with branches that only see the trunk before them,
-  so the turns of one trajectory share their common prefix in a single forward.
+- ``score(requests, mode, top_k)``: logprobs of given tokens under given contexts, at
+  temperature 1, plus the top-k (``topk``) or the whole distribution (``full``) at each of
+  those positions. A request is a *packed* sequence: a trunk with branches that only see the
+  trunk before them, so the turns of one trajectory share their common prefix in one forward.
 - ``update_weights(state_dict)``: load new weights in place (the trainer's after an update).
 
 Example:
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from opd.config import SCORING_MODES
 
 
 @dataclass(frozen=True)
@@ -69,10 +72,48 @@ class ScoreRequest:
     meta: dict = field(default_factory=dict)
 
 
+@dataclass
+class TokenScores:
+    """The teacher's scores at the ``N`` target positions of one request.
+
+    Attributes:
+        logprobs: ``[N]`` log p(target token): every mode.
+        topk_ids, topk_logprobs: ``[N, K]`` the ``K`` most likely ids and their logprobs (``topk``).
+        tail_logprob: ``[N]`` log of the mass outside the top-k (``topk``; ``-inf`` if none).
+        full_logprobs: ``[N, V]`` the log-softmax over the vocabulary (``full``).
+    """
+
+    logprobs: list[float]
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
+    tail_logprob: torch.Tensor | None = None
+    full_logprobs: torch.Tensor | None = None
+
+    def nbytes(self) -> int:
+        """Size of the payload that crosses to the trainer."""
+        tensors = (self.topk_ids, self.topk_logprobs, self.tail_logprob, self.full_logprobs)
+        return 4 * len(self.logprobs) + sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def scores_from_logprobs(logp_NV: torch.Tensor, target_N: torch.Tensor, mode: str, top_k: int) -> TokenScores:
+    """:class:`TokenScores` from the teacher's log-softmax at the target positions (temperature 1)."""
+    picked = logp_NV.gather(1, target_N[:, None]).squeeze(1).tolist()
+    if mode == "sampled":
+        return TokenScores(picked)
+    if mode == "full":
+        return TokenScores(picked, full_logprobs=logp_NV.cpu())
+    if mode != "topk":
+        raise ValueError(f"unknown scoring mode {mode!r}; expected one of {SCORING_MODES}")
+    values_NK, ids_NK = logp_NV.topk(min(top_k, logp_NV.shape[-1]), dim=-1)
+    # The tail from the remaining entries themselves, not as 1 - sum(top-k): no cancellation.
+    tail_N = logp_NV.scatter(1, ids_NK, float("-inf")).logsumexp(-1)
+    return TokenScores(picked, topk_ids=ids_NK.cpu(), topk_logprobs=values_NK.cpu(), tail_logprob=tail_N.cpu())
+
+
 class Engine(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]: ...
 
-    def score(self, requests: list[ScoreRequest]) -> list[list[float]]: ...
+    def score(self, requests: list[ScoreRequest], batch_size: int = 16, mode: str = "sampled", top_k: int = 0) -> list[TokenScores]: ...
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
 

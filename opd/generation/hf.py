@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from opd.generation.base import Completion, SamplingParams, ScoreRequest, branch_attention_mask
+from opd.generation.base import Completion, SamplingParams, ScoreRequest, TokenScores, branch_attention_mask, scores_from_logprobs
 from opd.models import load_model
 
 
@@ -108,13 +108,16 @@ class HFEngine:
 
     # -- scoring ----------------------------------------------------------------------------
     @torch.no_grad()
-    def score(self, requests: list[ScoreRequest], batch_size: int = 16) -> list[list[float]]:
-        results: list[list[float]] = []
+    def score(self, requests: list[ScoreRequest], batch_size: int = 16, mode: str = "sampled",
+              top_k: int = 0) -> list[TokenScores]:
+        """Scores of each request's targets (see :class:`TokenScores`), always at temperature 1:
+        the teacher's own distribution is the target, whatever temperature the student samples at."""
+        results: list[TokenScores] = []
         for start in range(0, len(requests), batch_size):
-            results += self._score_batch(requests[start : start + batch_size])
+            results += self._score_batch(requests[start : start + batch_size], mode, top_k)
         return results
 
-    def _score_batch(self, requests: list[ScoreRequest]) -> list[list[float]]:
+    def _score_batch(self, requests: list[ScoreRequest], mode: str, top_k: int) -> list[TokenScores]:
         B = len(requests)
         L = max(len(r.input_ids) for r in requests)
         ids_BL = torch.full((B, L), self.pad_id, dtype=torch.long)
@@ -137,9 +140,8 @@ class HFEngine:
         for i, r in enumerate(requests):
             source = torch.tensor(r.source_index, dtype=torch.long, device=self.device)
             target = ids_BL[i, r.target_index].to(self.device)
-            # Teacher scores are always at temperature 1: they are the teacher's distribution.
             logp_NV = torch.log_softmax(logits_BLV[i, source].float(), dim=-1)
-            results.append(logp_NV.gather(1, target[:, None]).squeeze(1).tolist())
+            results.append(scores_from_logprobs(logp_NV, target, mode, top_k))
         return results
 
     # -- weights ----------------------------------------------------------------------------

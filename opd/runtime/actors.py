@@ -59,12 +59,30 @@ class _PolicyHost:
 
 
 class TeacherWorker(_PolicyHost):
-    """The frozen teacher: scores the student's responses in the recipe's teacher view."""
+    """The frozen teacher: scores the student's responses in the recipe's view and scoring mode.
 
-    def score(self, trajs: list[Trajectory], view: str, batch_size: int) -> list[list[list[float]]]:
+    With ``student_path`` (``supervision.cross_tokenizer``) the teacher's tokenizer may differ
+    from the student's: responses are re-tokenised and scores aligned over text spans.
+    """
+
+    def __init__(self, model_cfg: Any, path: str, torch_threads: int, student_path: str | None = None,
+                 student_trust_remote_code: bool = False):
+        super().__init__(model_cfg, path, torch_threads)
+        self.cross = None
+        if student_path is not None:
+            from opd.models import load_tokenizer
+            from opd.supervision.cross_tokenizer import CrossTokenizerScorer
+
+            self.cross = CrossTokenizerScorer(load_tokenizer(student_path, student_trust_remote_code), self.tokenizer)
+
+    def score(self, trajs: list[Trajectory], supervision: Any) -> list:
+        """:class:`opd.generation.base.TokenScores` of each trajectory's response tokens."""
         from opd.supervision.teacher_view import score_trajectories
 
-        return score_trajectories(self.engine, trajs, view, self.fmt, batch_size=batch_size)
+        if self.cross is not None:
+            return self.cross.score(self.engine, trajs, supervision.teacher_view, supervision.score_batch_size)
+        return score_trajectories(self.engine, trajs, supervision.teacher_view, self.fmt, supervision.score_batch_size,
+                                  supervision.scoring, supervision.top_k)
 
 
 class RolloutWorker(_PolicyHost):
@@ -125,7 +143,8 @@ def spawn_workers(cfg: Any, student_path: str, teacher_path: str) -> Workers:
     teacher = OmegaConf.to_container(cfg.teacher, resolve=True)
     teacher_actor = ray.remote(TeacherWorker).options(
         num_cpus=res.teacher_cpus, num_gpus=res.teacher_gpus, runtime_env=thread_env
-    ).remote(teacher, teacher_path, threads)
+    ).remote(teacher, teacher_path, threads, student_path if cfg.supervision.cross_tokenizer else None,
+             student["trust_remote_code"])
     rollout_actor = ray.remote(RolloutWorker).options(
         num_cpus=res.rollout_cpus, num_gpus=res.rollout_gpus, runtime_env=thread_env
     ).remote(student, student_path, threads)
@@ -133,7 +152,7 @@ def spawn_workers(cfg: Any, student_path: str, teacher_path: str) -> Workers:
     trainer_actor = ray.remote(StudentTrainer).options(
         num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus, runtime_env=thread_env
     ).remote(cfg.trainer, loss_terms, student_path, cfg.rollout.episodes_per_step, student["dtype"],
-             student["trust_remote_code"], threads, cfg.run.total_steps)
+             student["trust_remote_code"], threads, cfg.run.total_steps, cfg.rollout.temperature)
     return Workers(teacher=teacher_actor, rollout=rollout_actor, trainer=trainer_actor)
 
 

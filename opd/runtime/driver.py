@@ -147,7 +147,13 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
     try:
         check_tokenizers_match(student_tok, teacher_tok)
     except TokenizerMismatchError as exc:
-        raise ConfigError(f"keys 'student.path' ({student_path}) and 'teacher.path' ({teacher_path}): {exc}") from None
+        if not cfg.supervision.cross_tokenizer:
+            raise ConfigError(f"keys 'student.path' ({student_path}) and 'teacher.path' ({teacher_path}): {exc} "
+                              "Or set supervision.cross_tokenizer: true to align the two over text spans.") from None
+        log(f"cross-tokenizer scoring (the tokenizers differ: {'; '.join(exc.problems)[:300]})")
+    else:
+        if cfg.supervision.cross_tokenizer:
+            log("supervision.cross_tokenizer is set but the tokenizers match: scoring re-tokenises anyway")
     fmt = ChatFormat.from_tokenizer(student_tok)
     env_factory = EnvFactory(cfg.env.id, dict(cfg.env.kwargs))
     probe = env_factory()

@@ -14,13 +14,13 @@ responses, instead of T passes over ever longer contexts.
 
 Example:
     >>> request = pack_trajectory(traj, "state_grounded", fmt)  # doctest: +SKIP
-    >>> per_turn = unpack_scores(traj, request, engine.score([request])[0])  # doctest: +SKIP
+    >>> per_turn = unpack_scores(traj, engine.score([request])[0].logprobs)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 from opd.chat import ChatFormat, render_context
-from opd.generation.base import ScoreRequest
+from opd.generation.base import ScoreRequest, TokenScores
 from opd.trajectory import Trajectory
 
 
@@ -83,8 +83,9 @@ def unpack_scores(traj: Trajectory, flat: list[float]) -> list[list[float]]:
     return out
 
 
-def score_trajectories(engine, trajs: list[Trajectory], view: str, fmt: ChatFormat, batch_size: int = 16) -> list[list[list[float]]]:
-    """Teacher logprobs of every response token: ``[trajectory][turn][token]``."""
+def score_trajectories(engine, trajs: list[Trajectory], view: str, fmt: ChatFormat, batch_size: int = 16,
+                       mode: str = "sampled", top_k: int = 0) -> list[TokenScores]:
+    """The teacher's scores of every response token of each trajectory, turns in order
+    (``TokenScores.logprobs`` has ``traj.num_response_tokens`` entries)."""
     requests = [pack_trajectory(traj, view, fmt) for traj in trajs]
-    flat = engine.score(requests, batch_size=batch_size) if requests else []
-    return [unpack_scores(traj, scores) for traj, scores in zip(trajs, flat)]
+    return engine.score(requests, batch_size=batch_size, mode=mode, top_k=top_k) if requests else []

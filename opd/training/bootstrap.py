@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 
 from opd.chat import ChatFormat, first_prompt_ids, next_prompt_ids, student_sequence
 from opd.envs import EnvFactory
-from opd.models import load_tokenizer, save_model, tiny_qwen3, train_chat_tokenizer
+from opd.models import load_tokenizer, save_model, smollm2_tokenizer_dir, tiny_qwen3, train_chat_tokenizer
 from opd.trajectory import TokenBatch, Trajectory, Turn
 
 TOKENIZER_CORPUS_EPISODES = 300
@@ -96,6 +96,16 @@ def build_tokenizer(env_cfg: Any, vocab_size: int, cache_root: Path):
     return load_tokenizer(str(directory))
 
 
+def resolve_tokenizer(boot: Any, env_cfg: Any, cache_root: Path):
+    """The tokenizer ``boot.tokenizer`` names: trained on the env's text (``""``), SmolLM2's
+    (``"smollm2"``), or the one saved in a directory."""
+    if not boot.tokenizer:
+        return build_tokenizer(env_cfg, boot.tokenizer_vocab_size, cache_root)
+    if boot.tokenizer == "smollm2":
+        return load_tokenizer(smollm2_tokenizer_dir(cache_root))
+    return load_tokenizer(boot.tokenizer)
+
+
 def _save_atomically(directory: Path, write: Callable[[Path], None]) -> None:
     partial = directory.with_name(f".partial-{directory.name}-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
@@ -125,13 +135,14 @@ def _sft_row(steps: list[tuple[str, str, bool]], task: str, tokenizer, fmt: Chat
 def build_bootstrap_model(boot: Any, env_cfg: Any, seed: int, log: Callable[[str], None] = print) -> str:
     """Return the directory of the model ``boot`` describes, building it on first use."""
     cache_root = Path(os.path.expanduser(boot.cache_dir))
-    settings = {k: v for k, v in _plain(boot).items() if k != "cache_dir"}
+    # An unset tokenizer stays out of the key, so models built before that option keep their key.
+    settings = {k: v for k, v in _plain(boot).items() if k != "cache_dir" and not (k == "tokenizer" and not v)}
     key = _digest({"v": CACHE_VERSION, "boot": settings, "env": env_cfg.id,
                    "kwargs": _plain(env_cfg.kwargs), "split": env_cfg.train_split, "seed": seed})
     directory = cache_root / f"{boot.policy}-{key}"
     if (directory / "model.safetensors").is_file():
         return str(directory)
-    tokenizer = build_tokenizer(env_cfg, boot.tokenizer_vocab_size, cache_root)
+    tokenizer = resolve_tokenizer(boot, env_cfg, cache_root)
     fmt = ChatFormat.from_tokenizer(tokenizer)
     env = EnvFactory(env_cfg.id, dict(_plain(env_cfg.kwargs)))()
     tasks = env.unwrapped.task_ids(env_cfg.train_split)

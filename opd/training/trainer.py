@@ -56,12 +56,23 @@ def init_single_rank_distributed() -> None:
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
 
 
-def token_logprobs(model, batch: TokenBatch) -> torch.Tensor:
-    """``[B, T]`` logprob of each token given the tokens before it (0 at t = 0)."""
+def student_logprobs(model, batch: TokenBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The student's logprobs at ``temperature``: ``[B, T]`` of each token given the tokens before
+    it (0 at t = 0), and ``[B, T, V]`` over the vocabulary (zeros at t = 0).
+
+    ``temperature`` is the rollout's sampling temperature, so that the trained policy is the one
+    that sampled the tokens (the behaviour logprobs are of ``softmax(logits / temperature)``).
+    """
     logits_BTV = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits.float()
-    logp_BTV = torch.log_softmax(logits_BTV[:, :-1], dim=-1)
+    logp_BTV = torch.log_softmax(logits_BTV[:, :-1] / temperature, dim=-1)
     picked_BT = logp_BTV.gather(2, batch.input_ids_BT[:, 1:, None]).squeeze(2)
-    return torch.cat([torch.zeros_like(picked_BT[:, :1]), picked_BT], dim=1)
+    zeros_B1V = torch.zeros_like(logp_BTV[:, :1])
+    return torch.cat([zeros_B1V[..., 0], picked_BT], dim=1), torch.cat([zeros_B1V, logp_BTV], dim=1)
+
+
+def token_logprobs(model, batch: TokenBatch) -> torch.Tensor:
+    """``[B, T]`` logprob of each token given the tokens before it (0 at t = 0), temperature 1."""
+    return student_logprobs(model, batch)[0]
 
 
 def lr_multiplier(trainer_cfg: Any, total_steps: int):
@@ -85,12 +96,13 @@ class StudentTrainer:
 
     def __init__(self, trainer_cfg: Any, loss_terms: list[tuple[str, float, dict]], model_dir: str,
                  episodes_per_step: int, dtype: str = "float32", trust_remote_code: bool = False,
-                 torch_threads: int = 0, total_steps: int = 1):
+                 torch_threads: int = 0, total_steps: int = 1, temperature: float = 1.0):
         import deepspeed
 
         torch.set_num_threads(max(1, torch_threads or os.cpu_count() or 1))
         init_single_rank_distributed()
         self.loss_terms = loss_terms
+        self.temperature = temperature if temperature > 0 else 1.0  # greedy rollouts score at 1
         self.micro_batch_size = int(trainer_cfg.micro_batch_size)
         self.tokenizer = load_tokenizer(model_dir, trust_remote_code)
         model = load_model(model_dir, dtype=dtype, trust_remote_code=trust_remote_code).train()
@@ -125,9 +137,11 @@ class StudentTrainer:
         metrics_sum: dict[str, float] = {}
         nonfinite = 0
         n_micro = max(1, math.ceil(len(batch) / self.micro_batch_size))
+        # Normalisers of the whole batch: the micro-batch losses then add up to the batch's loss.
+        batch = batch.with_totals(micro_batches=n_micro)
         for m in range(n_micro):
             micro = batch.select(slice(m * self.micro_batch_size, (m + 1) * self.micro_batch_size)).to(self.engine.device)
-            micro = micro.with_student(token_logprobs(self.engine, micro))
+            micro = micro.with_student(*student_logprobs(self.engine, micro, self.temperature))
             loss, metrics = combined_loss(micro, self.loss_terms)
             if not torch.isfinite(loss):
                 nonfinite += 1

@@ -74,7 +74,7 @@ def run_benchmark(n_trajectories: int = 4, repeats: int = 2) -> list[dict]:
         diff = max(
             abs(a - b)
             for traj, flat, per_turn in zip(trajs, packed_scores, naive_scores)
-            for p, n in zip(unpack_scores(traj, flat), per_turn)
+            for p, n in zip(unpack_scores(traj, flat.logprobs), [s.logprobs for s in per_turn])
             for a, b in zip(p, n)
         )
         # Packed scoring is cheap, so it gets more repeats: the best of several is what the

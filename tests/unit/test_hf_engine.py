@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from opd.generation.base import SamplingParams, ScoreRequest
@@ -21,7 +22,7 @@ def test_behaviour_logprobs_match_rescoring_despite_left_padding(tokenizer, fmt,
         ids = prompt + completion.response_ids
         n = len(ids)
         request = ScoreRequest(ids, list(range(n)), [0] * n, list(range(len(prompt), n)), list(range(len(prompt) - 1, n - 1)))
-        rescored = engine.score([request])[0]
+        rescored = engine.score([request])[0].logprobs
         assert len(completion.logprobs) == len(completion.response_ids) >= 1
         torch.testing.assert_close(torch.tensor(completion.logprobs), torch.tensor(rescored), atol=1e-4, rtol=0)
         if completion.finish_reason == "stop":
@@ -57,3 +58,25 @@ def test_update_weights_in_place(tiny_model_dir):
     after = engine.state_dict()
     assert all(torch.equal(after[k], target[k]) for k in target)
     assert engine.model.model.embed_tokens.weight.data_ptr() == pointer  # no reallocation
+
+
+@pytest.mark.parametrize("temperature", [0.7, 0.05])
+def test_trainer_logprobs_at_the_rollout_temperature_equal_behaviour_logprobs(tokenizer, fmt, tiny_model_dir, temperature):
+    """The importance ratio pi_S / mu is 1 on policy only if the trainer scores at the sampling
+    temperature: checked on real samples, including the very peaked 0.05."""
+    from opd.models import load_model
+    from opd.trajectory import TokenBatch
+    from opd.training.trainer import student_logprobs
+
+    engine = HFEngine.from_pretrained(tiny_model_dir)
+    prompts = _prompts(tokenizer)
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=5, temperature=temperature, stop_token_ids=(fmt.im_end_id,), seed=3))
+    rows = [{"input_ids": p + c.response_ids, "attention_mask": [1] * (len(p) + len(c.response_ids)),
+             "loss_mask": [0.0] * len(p) + [1.0] * len(c.response_ids)} for p, c in zip(prompts, out)]
+    batch = TokenBatch.from_rows(rows, fmt.pad_id)
+    picked_BT, full_BTV = student_logprobs(load_model(tiny_model_dir), batch, temperature)
+    for i, (p, c) in enumerate(zip(prompts, out)):
+        got = picked_BT[i, len(p) : len(p) + len(c.response_ids)]
+        torch.testing.assert_close(got, torch.tensor(c.logprobs), atol=2e-4, rtol=0)
+    assert torch.isfinite(full_BTV).all()
+    torch.testing.assert_close(full_BTV[:, 1:].exp().sum(-1), torch.ones_like(full_BTV[:, 1:, 0]), atol=1e-4, rtol=0)

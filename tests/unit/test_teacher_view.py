@@ -15,8 +15,8 @@ def test_packed_scores_equal_naive_per_turn_scores(tokenizer, fmt, tiny_model_di
     engine = HFEngine.from_pretrained(tiny_model_dir)
     traj = ten_turn_trajectory(tokenizer, fmt)
     packed = pack_trajectory(traj, view, fmt)
-    per_turn = unpack_scores(traj, engine.score([packed])[0])
-    naive = engine.score(naive_requests(traj, view, fmt))
+    per_turn = unpack_scores(traj, engine.score([packed])[0].logprobs)
+    naive = [s.logprobs for s in engine.score(naive_requests(traj, view, fmt))]
     assert len(per_turn) == len(naive) == 10
     diffs = [abs(a - b) for p, n in zip(per_turn, naive) for a, b in zip(p, n)]
     assert len(diffs) == traj.num_response_tokens
@@ -30,7 +30,8 @@ def test_scores_are_the_teachers_logprobs_of_the_student_tokens(tokenizer, fmt, 
     """Independent reference: a plain forward over context + response, read off by hand."""
     engine = HFEngine.from_pretrained(tiny_model_dir)
     traj = ten_turn_trajectory(tokenizer, fmt)
-    scores = score_trajectories(engine, [traj, traj], "state_grounded", fmt)
+    flat = score_trajectories(engine, [traj, traj], "state_grounded", fmt)
+    scores = [unpack_scores(traj, f.logprobs) for f in flat]
     assert scores[0] == scores[1], "batched rows do not leak into each other"
     from opd.chat import render_context
 
@@ -42,3 +43,64 @@ def test_scores_are_the_teachers_logprobs_of_the_student_tokens(tokenizer, fmt, 
     n = len(context)
     expected = [logp[n - 1 + k, tok].item() for k, tok in enumerate(traj.turns[t].response_ids)]
     assert scores[0][t] == pytest.approx(expected, abs=1e-4)
+
+
+def _plain_forward_logprobs(engine, traj, view, fmt) -> torch.Tensor:
+    """``[N, V]`` teacher log-softmax at every response token, one ordinary forward per turn
+    (no packing, no branch mask): the reference for the packed ``topk`` and ``full`` modes."""
+    from opd.chat import render_context
+
+    rows = []
+    for t, turn in enumerate(traj.turns):
+        context = render_context(traj, t, view, fmt)
+        with torch.no_grad():
+            logits = engine.model(torch.tensor([context + turn.response_ids])).logits[0].float()
+        n = len(context)
+        rows.append(torch.log_softmax(logits[n - 1 : n - 1 + len(turn.response_ids)], -1))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("view", ["state_grounded", "full"])
+@pytest.mark.parametrize("mode", ["topk", "full"])
+def test_packed_topk_and_full_scores_equal_plain_forwards(tokenizer, fmt, tiny_model_dir, view, mode):
+    engine = HFEngine.from_pretrained(tiny_model_dir)
+    traj = ten_turn_trajectory(tokenizer, fmt)
+    scores = score_trajectories(engine, [traj], view, fmt, mode=mode, top_k=5)[0]
+    ref_NV = _plain_forward_logprobs(engine, traj, view, fmt)
+    targets = torch.tensor([tok for turn in traj.turns for tok in turn.response_ids])
+    assert len(scores.logprobs) == traj.num_response_tokens == len(ref_NV)
+    torch.testing.assert_close(torch.tensor(scores.logprobs), ref_NV.gather(1, targets[:, None]).squeeze(1), atol=1e-4, rtol=0)
+    if mode == "full":
+        assert scores.topk_ids is None and scores.full_logprobs.shape == ref_NV.shape
+        torch.testing.assert_close(scores.full_logprobs, ref_NV, atol=1e-4, rtol=0)
+        return
+    assert scores.full_logprobs is None and scores.topk_ids.shape == (len(ref_NV), 5)
+    ref_values, _ = ref_NV.topk(5, -1)
+    torch.testing.assert_close(scores.topk_logprobs, ref_values, atol=1e-4, rtol=0)
+    # The ids are the ones holding those values in the reference distribution.
+    torch.testing.assert_close(ref_NV.gather(1, scores.topk_ids), ref_values, atol=1e-4, rtol=0)
+    tail_ref = torch.log1p(-ref_values.exp().sum(-1))
+    torch.testing.assert_close(scores.tail_logprob, tail_ref, atol=1e-4, rtol=0)
+
+
+def test_token_batch_carries_topk_and_full_scores_on_response_positions(tokenizer, fmt, tiny_model_dir):
+    from opd.algorithms.vanilla_opd import build_token_batch
+    from opd.chat import student_sequence
+
+    engine = HFEngine.from_pretrained(tiny_model_dir)
+    traj = ten_turn_trajectory(tokenizer, fmt)
+    row = student_sequence(traj, fmt)
+    positions = [p for start, end in row["response_positions"] for p in range(start, end)]
+    off = [p for p in range(len(row["input_ids"])) if p not in set(positions)]
+    topk = score_trajectories(engine, [traj, traj], "state_grounded", fmt, mode="topk", top_k=4)
+    batch = build_token_batch([traj, traj], topk, fmt.pad_id, fmt)
+    assert batch.teacher_topk_ids_BTK.shape == (2, len(row["input_ids"]), 4)
+    assert torch.equal(batch.teacher_topk_ids_BTK[0, positions], topk[0].topk_ids)
+    assert torch.equal(batch.teacher_topk_logprobs_BTK[1, positions], topk[1].topk_logprobs)
+    assert torch.equal(batch.teacher_tail_logprob_BT[0, positions], topk[0].tail_logprob)
+    assert torch.isinf(batch.teacher_topk_logprobs_BTK[0, off]).all()  # -inf padding off the responses
+    assert batch.teacher_logprobs_BT[0, positions].tolist() == pytest.approx(topk[0].logprobs)
+    full = score_trajectories(engine, [traj], "state_grounded", fmt, mode="full")
+    batch = build_token_batch([traj], full, fmt.pad_id, fmt)
+    assert torch.equal(batch.teacher_full_logprobs_BTV[0, positions], full[0].full_logprobs)
+    assert batch.teacher_topk_ids_BTK is None and batch.advantage_B.tolist() == [0.0]
