@@ -78,6 +78,9 @@ class EnvConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)  # constructor keyword arguments
     train_split: str = "train"  # tasks the student trains on
     eval_split: str = "eval"  # held-out tasks for evaluation
+    module: str = ""  # a module to import first, registering an env that lives in your own package
+    isolation: str = "subprocess"  # subprocess: each episode's env in a child process | inprocess
+    timeout_s: float = 60.0  # a reset or step slower than this counts as hung: the episode is marked
 
 
 @dataclass
@@ -380,8 +383,17 @@ def _in_hub_cache(repo_id: str) -> bool:
 
 
 def _validate_env(env: Any, source: str) -> None:
+    import importlib
+
     from opd.envs import make_env
 
+    _check_choice(env.isolation, ("subprocess", "inprocess"), "env.isolation", source)
+    _check_positive(env.timeout_s, "env.timeout_s", source)
+    if env.module:
+        try:
+            importlib.import_module(env.module)
+        except ImportError as exc:
+            raise ConfigError(f"{source}: key 'env.module': cannot import {env.module!r}: {exc}") from None
     try:
         instance = make_env(env.id, **env.kwargs)
     except ValueError as exc:

@@ -103,6 +103,7 @@ class EnvFactory:
     Attributes:
         env_id: Registered id, e.g. ``"opd/FrozenLakeText-v0"``.
         kwargs: Constructor kwargs; copied so later edits to the caller's dict don't leak in.
+        module: Imported before the env is made (an env registered by the user's own package).
 
     Example:
         >>> factory = EnvFactory("opd/FrozenLakeText-v0", {"max_turns": 8})
@@ -111,11 +112,14 @@ class EnvFactory:
 
     env_id: str
     kwargs: dict[str, Any] = field(default_factory=dict)
+    module: str = ""  # imported first: registers an env that lives outside the environments package
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kwargs", dict(self.kwargs))
 
     def __call__(self) -> gymnasium.Env:
+        if self.module:
+            importlib.import_module(self.module)
         return make_env(self.env_id, **self.kwargs)
 
 

@@ -103,6 +103,7 @@ def train_step(ctx: Any, step: int) -> dict[str, float]:
         "success": success_rate(trajs),
         "turns_per_episode": sum(len(t.turns) for t in trajs) / len(trajs),
         "env_errors": float(sum(t.end_reason == "env_error" for t in trajs)),
+        "env_restarts": gen.get("env_restarts", 0.0),
         "valid_action_rate": _valid_rate(trajs),
         "tokens_per_s": gen["generated_tokens"] / max(gen["generation_s"], 1e-9),
         "teacher_payload_mb": sum(s.nbytes() for s in scores) / 2**20,

@@ -5,8 +5,10 @@ then one ``env.step`` per episode. A context grows by concatenating the sampled 
 the closing markup and the next observation's message ids, so the ids the student saw are the
 ids it is trained on.
 
-An environment that raises ends that episode only (``end_reason="env_error"``, the exception
-kept in ``Trajectory.error``); the other episodes and the run go on.
+An environment that raises, crashes or hangs ends that episode only (``end_reason="env_error"``,
+the reason kept in ``Trajectory.error``); the other episodes and the run go on. Environments run
+where ``envs`` says: child processes with a timeout (:mod:`opd.rollout.env_pool`, what the
+rollout worker uses) or this process.
 
 Example:
     >>> trajs = run_episodes(engine, EnvFactory("opd/FrozenLakeText-v0"), ["fl4-train-00001"],
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 from opd.chat import ChatFormat, first_prompt_ids, next_prompt_ids
 from opd.generation.base import SamplingParams
+from opd.rollout.env_pool import EnvFailure, InProcessEnvs
 from opd.trajectory import Trajectory, Turn
 
 INFO_KEYS = ("success", "valid_action", "expert_action", "turn")
@@ -32,6 +35,8 @@ class EpisodeSettings:
     temperature: float = 1.0
     max_context_tokens: int = 2048
     system_prompt: str = ""
+    env_isolation: str = "subprocess"  # subprocess | inprocess (see opd.rollout.env_pool)
+    env_timeout_s: float = 60.0
 
 
 def _safe_info(info: dict) -> dict:
@@ -46,6 +51,7 @@ def run_episodes(
     fmt: ChatFormat,
     settings: EpisodeSettings,
     seed: int,
+    envs=None,
 ) -> list[Trajectory]:
     """Play one episode per task with the policy in ``engine``.
 
@@ -56,23 +62,25 @@ def run_episodes(
         tokenizer, fmt: the policy's tokenizer and its ChatML ids.
         settings: sampling and context limits; ``temperature=0`` plays greedily.
         seed: seeds sampling; turn k of this call samples with ``seed * 1009 + k``.
+        envs: where the environments run: an :class:`opd.rollout.env_pool.EnvWorkerPool`
+            (child processes with a timeout; episode ``i`` uses slot ``i``), or ``None`` for
+            environments made from ``env_factory`` in this process.
 
     Returns:
         One :class:`Trajectory` per task, in order.
     """
+    if envs is None:
+        with InProcessEnvs(env_factory) as local:
+            return run_episodes(engine, env_factory, tasks, tokenizer, fmt, settings, seed, envs=local)
     trajs = [Trajectory(task=task) for task in tasks]
-    envs, contexts, pending = [], [], []
-    for i, task in enumerate(tasks):
-        env = env_factory()
-        envs.append(env)
-        try:
-            obs, _ = env.reset(seed=seed, options={"task": task})
-        except Exception as exc:  # noqa: BLE001 - a broken env ends its episode, not the run
-            _fail(trajs[i], exc)
-            contexts.append([])
+    contexts: list[list[int]] = [[] for _ in tasks]
+    pending = []
+    for i, result in enumerate(envs.reset_many([(i, task, seed) for i, task in enumerate(tasks)])):
+        if isinstance(result, EnvFailure):  # a broken env ends its episode, not the run
+            _fail(trajs[i], result)
             continue
-        prompt = first_prompt_ids(fmt, tokenizer, obs, settings.system_prompt)
-        contexts.append(list(prompt))
+        prompt = first_prompt_ids(fmt, tokenizer, result[0], settings.system_prompt)
+        contexts[i] = list(prompt)
         pending.append((i, prompt))
     turn_no = 0
     while pending:
@@ -83,7 +91,7 @@ def run_episodes(
             seed=seed * 1009 + turn_no,
         )
         completions = engine.generate([contexts[i] for i, _ in pending], params)
-        still = []
+        turns = []
         for (i, prompt), completion in zip(pending, completions):
             response = completion.response_ids
             start, end = fmt.action_span(response)
@@ -91,11 +99,14 @@ def run_episodes(
             turn = Turn(prompt_ids=list(prompt), response_ids=list(response), response_logprobs=list(completion.logprobs),
                         action_start=start, action_end=end, action_text=action_text)
             trajs[i].turns.append(turn)
-            try:
-                obs, reward, terminated, truncated, info = envs[i].step(action_text)
-            except Exception as exc:  # noqa: BLE001
-                _fail(trajs[i], exc)
+            turns.append(turn)
+        results = envs.step_many([(i, turn.action_text) for (i, _), turn in zip(pending, turns)])
+        still = []
+        for (i, _), turn, result in zip(pending, turns, results):
+            if isinstance(result, EnvFailure):
+                _fail(trajs[i], result)
                 continue
+            obs, reward, terminated, truncated, info = result
             turn.observation, turn.reward = obs, float(reward)
             turn.terminated, turn.truncated, turn.info = bool(terminated), bool(truncated), _safe_info(info)
             trajs[i].success = bool(info.get("success", False))
@@ -103,21 +114,19 @@ def run_episodes(
                 trajs[i].end_reason = "success" if trajs[i].success else ("failure" if terminated else "truncated")
                 continue
             next_prompt = next_prompt_ids(fmt, tokenizer, obs)
-            contexts[i] += response + fmt.close_ids(response) + next_prompt
+            contexts[i] += turn.response_ids + fmt.close_ids(turn.response_ids) + next_prompt
             if len(contexts[i]) + settings.max_new_tokens > settings.max_context_tokens:
                 trajs[i].end_reason = "context_limit"
                 continue
             still.append((i, next_prompt))
         pending = still
         turn_no += 1
-    for env in envs:
-        env.close()
     return trajs
 
 
-def _fail(traj: Trajectory, exc: Exception) -> None:
+def _fail(traj: Trajectory, failure: EnvFailure) -> None:
     traj.end_reason = "env_error"
-    traj.error = f"{type(exc).__name__}: {exc}"
+    traj.error = failure.message
     traj.success = False
 
 

@@ -44,15 +44,32 @@ class _PolicyHost:
         self.tokenizer = load_tokenizer(path, model_cfg["trust_remote_code"])
         self.fmt = ChatFormat.from_tokenizer(self.tokenizer)
 
+    def _envs(self, env_factory, settings):
+        """The environment pool for ``env_factory``: child processes kept from call to call."""
+        from opd.rollout.env_pool import EnvWorkerPool
+
+        if settings.env_isolation != "subprocess":
+            return None
+        pool = getattr(self, "_pool", None)
+        if pool is None or pool.factory != env_factory or pool.timeout_s != settings.env_timeout_s:
+            if pool is not None:
+                pool.close()
+            preload = ("environments",) + ((env_factory.module,) if getattr(env_factory, "module", "") else ())
+            self._pool = EnvWorkerPool(env_factory, settings.env_timeout_s, preload)
+        return self._pool
+
     def collect(self, env_factory, tasks: list[str], settings, seed: int) -> tuple[list[Trajectory], dict[str, float]]:
         """Play one episode per task; returns the trajectories and timing."""
         from opd.rollout.vanilla import run_episodes
 
         start = time.perf_counter()
-        trajs = run_episodes(self.engine, env_factory, tasks, self.tokenizer, self.fmt, settings, seed)
+        envs = self._envs(env_factory, settings)
+        restarts = envs.restarts if envs is not None else 0
+        trajs = run_episodes(self.engine, env_factory, tasks, self.tokenizer, self.fmt, settings, seed, envs=envs)
         seconds = time.perf_counter() - start
         tokens = sum(t.num_response_tokens for t in trajs)
-        return trajs, {"generation_s": seconds, "generated_tokens": float(tokens)}
+        return trajs, {"generation_s": seconds, "generated_tokens": float(tokens),
+                       "env_restarts": float((envs.restarts if envs is not None else 0) - restarts)}
 
     def chat_format(self):
         return self.fmt

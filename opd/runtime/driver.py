@@ -155,7 +155,7 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
         if cfg.supervision.cross_tokenizer:
             log("supervision.cross_tokenizer is set but the tokenizers match: scoring re-tokenises anyway")
     fmt = ChatFormat.from_tokenizer(student_tok)
-    env_factory = EnvFactory(cfg.env.id, dict(cfg.env.kwargs))
+    env_factory = EnvFactory(cfg.env.id, dict(cfg.env.kwargs), cfg.env.module)
     probe = env_factory()
     train_tasks = probe.unwrapped.task_ids(cfg.env.train_split)
     eval_tasks = probe.unwrapped.task_ids(cfg.env.eval_split)[: cfg.run.eval_episodes]
@@ -164,7 +164,8 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
     init_ray(cfg.resources)
     workers = spawn_workers(cfg, student_path, teacher_path)
     settings = dict(max_new_tokens=cfg.rollout.max_new_tokens, max_context_tokens=cfg.rollout.max_context_tokens,
-                    system_prompt=cfg.rollout.system_prompt)
+                    system_prompt=cfg.rollout.system_prompt, env_isolation=cfg.env.isolation,
+                    env_timeout_s=cfg.env.timeout_s)
     ctx = RunContext(cfg, workers, env_factory, train_tasks, eval_tasks,
                      EpisodeSettings(temperature=cfg.rollout.temperature, **settings),
                      EpisodeSettings(temperature=0.0, **settings), fmt)

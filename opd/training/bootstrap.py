@@ -82,7 +82,7 @@ def build_tokenizer(env_cfg: Any, vocab_size: int, cache_root: Path):
     directory = cache_root / f"tokenizer-{key}"
     if (directory / "tokenizer.json").is_file():
         return load_tokenizer(str(directory))
-    factory = EnvFactory(env_cfg.id, dict(_plain(env_cfg.kwargs)))
+    factory = EnvFactory(env_cfg.id, dict(_plain(env_cfg.kwargs)), env_cfg.module)
     env = factory()
     tasks = env.unwrapped.task_ids(env_cfg.train_split)
     rng = random.Random(0)
@@ -144,7 +144,7 @@ def build_bootstrap_model(boot: Any, env_cfg: Any, seed: int, log: Callable[[str
         return str(directory)
     tokenizer = resolve_tokenizer(boot, env_cfg, cache_root)
     fmt = ChatFormat.from_tokenizer(tokenizer)
-    env = EnvFactory(env_cfg.id, dict(_plain(env_cfg.kwargs)))()
+    env = EnvFactory(env_cfg.id, dict(_plain(env_cfg.kwargs)), env_cfg.module)()
     tasks = env.unwrapped.task_ids(env_cfg.train_split)
     rng = random.Random(seed)
     choose = _policy(boot.policy, rng)

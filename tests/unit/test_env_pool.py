@@ -1,0 +1,62 @@
+"""Environments in child processes: a raise, a crash or a hang ends that episode only; the other
+episodes are exactly what they would have been, and the pool keeps working."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import tests.data.faulty_env  # noqa: F401  (registers opdtest/FaultyFrozenLake-v0)
+from opd.envs import EnvFactory
+from opd.generation.hf import HFEngine
+from opd.rollout.env_pool import EnvFailure, EnvWorkerPool
+from opd.rollout.vanilla import EpisodeSettings, run_episodes
+
+KWARGS = {"max_turns": 4, "n_train_tasks": 16, "n_eval_tasks": 4}
+TASKS = ["fl4-train-00000", "fl4-train-00001", "fl4-train-00002", "fl4-train-00005"]  # 00001 and 00005 fail
+
+
+def _factory(fault: str) -> EnvFactory:
+    return EnvFactory("opdtest/FaultyFrozenLake-v0", {**KWARGS, "fault": fault, "at_turn": 2}, "tests.data.faulty_env")
+
+
+def _comparable(traj):
+    return [(t.response_ids, t.action_text, t.observation, t.reward, t.terminated, t.truncated) for t in traj.turns], traj.end_reason
+
+
+@pytest.mark.parametrize("fault, kind", [("raise", "error"), ("crash", "crash"), ("hang", "timeout")])
+def test_a_failing_environment_ends_only_its_episode(tokenizer, fmt, tiny_model_dir, fault, kind):
+    engine = HFEngine.from_pretrained(tiny_model_dir)
+    # Greedy: an episode's tokens do not depend on which other episodes share its batch.
+    settings = EpisodeSettings(max_new_tokens=4, temperature=0.0)
+    # Reference: the healthy env in this process, same tasks, same seed.
+    healthy = EnvFactory("opd/FrozenLakeText-v0", KWARGS)
+    reference = run_episodes(engine, healthy, TASKS, tokenizer, fmt, settings, seed=7)
+    with EnvWorkerPool(_factory(fault), timeout_s=3.0, preload=("environments", "tests.data.faulty_env")) as pool:
+        start = time.monotonic()
+        trajs = run_episodes(engine, None, TASKS, tokenizer, fmt, settings, seed=7, envs=pool)
+        elapsed = time.monotonic() - start
+        for i in (0, 2):  # untouched episodes: identical to the healthy run
+            assert _comparable(trajs[i]) == _comparable(reference[i])
+        for i in (1, 3):
+            traj = trajs[i]
+            assert traj.end_reason == "env_error" and not traj.success
+            assert traj.error.startswith(f"environment {kind}") if kind != "error" else "simulated engine failure" in traj.error
+            assert len(traj.turns) == 2  # the failing step's response is kept, nothing after it
+            assert traj.turns[0].observation == reference[i].turns[0].observation
+        assert pool.restarts == (2 if kind != "error" else 0)
+        if kind == "timeout":
+            assert elapsed < 3.0 * 2 + 10, "both hangs share one deadline"
+        # The pool goes on: the failed slots serve fresh episodes.
+        again = run_episodes(engine, None, ["fl4-train-00000"] * 2, tokenizer, fmt, settings, seed=7, envs=pool)
+        assert _comparable(again[0]) == _comparable(reference[0]) == _comparable(again[1])
+
+
+def test_pool_results_and_failures_line_up_with_their_calls():
+    with EnvWorkerPool(_factory("raise"), timeout_s=10.0, preload=("environments", "tests.data.faulty_env")) as pool:
+        resets = pool.reset_many([(0, "fl4-train-00000", 0), (1, "no-such-task", 0)])
+        assert isinstance(resets[0], tuple) and resets[0][0].startswith("Reach G")
+        assert isinstance(resets[1], EnvFailure) and resets[1].kind == "error" and "no-such-task" in resets[1].message
+        (step,) = pool.step_many([(0, "not a move")])
+        assert step[4]["valid_action"] is False  # a bad action is an observation, in a child too
