@@ -1,7 +1,15 @@
 """Concrete opd environments; importing this package registers each with gymnasium.
 
-Environments:
-    opd/FrozenLakeText-v0: FrozenLake as text (``environments.frozenlake.FrozenLakeTextEnv``).
+Environments (``opd envs`` lists them with one line each; docs in ``docs/envs/``):
+    opd/FrozenLakeText-v0: FrozenLake as text (gymnasium's engine).
+    opd/ALFWorldText-v0: ALFWorld household tasks (official PDDL engine, generated or official games).
+    opd/ScienceWorldText-v0: ScienceWorld's 30 tasks (official engine, Java).
+    opd/TextWorldText-v0, opd/TextWorldExpressText-v0: generated text games.
+    opd/BFCLMultiTurn-v0: BFCL multi-turn tool calling (official backend and checker).
+    opd/SQLText-v0: text-to-SQL over generated SQLite databases.
+    opd/ClinicalWorkup-v0: a clinical work-up simulator (refill triage, diagnosis, titration).
+
+Registration is lazy (an entry-point string): an engine is imported only when its env is made.
 
 Add an environment by writing a ``gymnasium.Env`` that follows the contract in
 ``opd.envs`` and registering it below under a versioned ``opd/`` id.
@@ -20,3 +28,10 @@ def _register(env_id: str, entry_point: str) -> None:
 
 
 _register("opd/FrozenLakeText-v0", "environments.frozenlake:FrozenLakeTextEnv")
+_register("opd/ALFWorldText-v0", "environments.alfworld_env:ALFWorldTextEnv")
+_register("opd/ScienceWorldText-v0", "environments.scienceworld_env:ScienceWorldTextEnv")
+_register("opd/TextWorldText-v0", "environments.textworld_env:TextWorldTextEnv")
+_register("opd/TextWorldExpressText-v0", "environments.textworld_express_env:TextWorldExpressTextEnv")
+_register("opd/BFCLMultiTurn-v0", "environments.bfcl_env:BFCLMultiTurnEnv")
+_register("opd/SQLText-v0", "environments.sql_env:SQLTextEnv")
+_register("opd/ClinicalWorkup-v0", "environments.clinical:ClinicalWorkupEnv")

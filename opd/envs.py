@@ -80,7 +80,11 @@ def list_envs() -> list[tuple[str, str]]:
         entry_point = gymnasium.registry[env_id].entry_point
         if isinstance(entry_point, str):
             module_name, _, attr = entry_point.partition(":")
-            entry_point = getattr(importlib.import_module(module_name), attr)
+            try:
+                entry_point = getattr(importlib.import_module(module_name), attr)
+            except ImportError as exc:  # its engine is not installed: say so rather than fail the listing
+                result.append((env_id, f"(unavailable: {exc}; run scripts/setup.sh)"))
+                continue
         doc = inspect.getdoc(entry_point) or ""
         result.append((env_id, doc.strip().splitlines()[0] if doc.strip() else ""))
     return result

