@@ -1,0 +1,489 @@
+"""Text-to-SQL in the InterCode-SQL style, without Docker: query SQLite databases the project generates.
+
+Three schemas (``shop``, ``school``, ``flights``) are filled with synthetic rows drawn from a
+seed, written once to ``~/.cache/opd/envs/sql`` (atomically) and opened read-only. Questions
+and gold queries come from templates over the schema whose parameters are drawn from the data
+(hundreds of tasks). Each turn the model sends one SQL query and sees the result table (cut to a
+few rows) or SQLite's error; ``submit`` ends the episode. Success: the last query that ran
+returned the gold query's result set (as a multiset of rows; as a sequence when the gold query
+has ORDER BY).
+
+Departures from InterCode-SQL, and why:
+    * SQLite instead of MySQL in Docker, so it runs anywhere; databases are generated, not Spider's.
+    * Reward is the success bit (InterCode scores a partial-overlap reward); a reply that does not
+      run (empty, refused or an SQLite error) costs ``invalid_action_penalty``.
+    * Queries are guarded: read-only URI, an authorizer that allows reading only (no PRAGMA,
+      ATTACH, writes, ``random()``), a length limit on values, a wall-clock limit through SQLite's
+      progress handler, and a cap on rows read back.
+    * Gold answers never depend on ties: a template instance is dropped when its gold result
+      changes under ``PRAGMA reverse_unordered_selects`` (ties broken by row order).
+
+Example:
+    >>> env = SQLTextEnv()
+    >>> obs, info = env.reset(options={"task": env.task_ids("eval")[0]})
+    >>> obs, reward, terminated, truncated, info = env.step(info["expert_action"])  # the gold query
+    >>> obs, reward, terminated, truncated, info = env.step(info["expert_action"])  # "submit"
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import random
+import re
+import sqlite3
+import string
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gymnasium
+
+from environments.sql_env.data import SCHEMAS, TEMPLATES, Template
+
+SPLITS: tuple[str, ...] = ("train", "eval")
+SUBMIT = "submit"
+DEFAULT_CACHE_DIR = "~/.cache/opd/envs/sql"
+DATA_VERSION = 1  # bump when generated rows or templates change: it names the cached files
+INSTRUCTION = (
+    "Answer the question by querying the SQLite database below. Reply with exactly one SQL query "
+    "(SQLite dialect) per turn; you will see its result. When the result of your last query answers "
+    f"the question exactly (the right columns, rows and, if asked, order), reply {SUBMIT}.\n"
+)
+_ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+# random() would break same-seed determinism; printf/format pad inside one VM step, so the
+# progress handler cannot stop printf('%.*c', 1000000000, 'x') (11 s here).
+_DENIED_FUNCTIONS = {"random", "randomblob", "printf", "format"}
+_ORDER_BY = re.compile(r"\border\s+by\b", re.IGNORECASE)
+_FENCE = re.compile(r"^```[a-zA-Z]*\s*\n?(.*?)\n?```$", re.DOTALL)
+_MAX_VALUE_BYTES = 100_000  # SQLITE_LIMIT_LENGTH: no multi-GB zeroblob()/printf() values
+_MAX_PATTERN_CHARS = 200  # LIKE/GLOB patterns are matched inside one VM step too
+_PROGRESS_OPS = 1_000  # SQLite VM instructions between two clock checks
+
+
+# ----- queries -----
+@dataclass(frozen=True)
+class QueryResult:
+    """What one query gave: columns and rows (``rows`` stops at the read-back cap), or an error."""
+
+    columns: tuple[str, ...] = ()
+    rows: tuple[tuple[Any, ...], ...] = ()
+    complete: bool = True  # False: more rows than the cap, so never equal to a gold result
+    error: str | None = None
+
+
+def open_readonly(path: Path) -> sqlite3.Connection:
+    """A connection that can only read ``path``: ``mode=ro`` URI plus an authorizer.
+
+    The authorizer allows SELECT, table reads, recursive CTEs and deterministic functions;
+    everything else (writes, PRAGMA, ATTACH, transactions, ``random()``, ``printf()``) fails at
+    prepare time. Values are limited to 100 kB and LIKE patterns to 200 characters.
+    """
+    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
+    conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE_BYTES)
+    conn.setlimit(sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, _MAX_PATTERN_CHARS)
+    conn.set_authorizer(_authorize_reading)
+    return conn
+
+
+def _authorize_reading(action: int, arg1: str | None, arg2: str | None, db: str | None, source: str | None) -> int:
+    if action not in _ALLOWED or (action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() in _DENIED_FUNCTIONS):
+        return sqlite3.SQLITE_DENY
+    return sqlite3.SQLITE_OK
+
+
+def run_query(conn: sqlite3.Connection, sql: str, *, time_limit_s: float, max_rows: int) -> QueryResult:
+    """Runs one statement under a wall-clock limit; never raises for a bad query.
+
+    Returns:
+        The columns and at most ``max_rows`` rows, or ``error`` with SQLite's message
+        (``"interrupted: ..."`` when the time limit stopped it).
+    """
+    deadline = time.monotonic() + time_limit_s
+    conn.set_progress_handler(lambda: int(time.monotonic() > deadline), _PROGRESS_OPS)
+    try:
+        cursor = conn.execute(sql)
+        rows = cursor.fetchmany(max_rows + 1)
+        columns = tuple(d[0] for d in cursor.description or ())
+        cursor.close()
+    except (sqlite3.Error, sqlite3.Warning, ValueError, OverflowError, MemoryError) as exc:
+        message = str(exc)
+        if message == "interrupted":
+            message = f"interrupted: the query ran past the {time_limit_s:g} s limit"
+        return QueryResult(error=message or type(exc).__name__)
+    finally:
+        conn.set_progress_handler(None, 0)
+    return QueryResult(columns, tuple(rows[:max_rows]), complete=len(rows) <= max_rows)
+
+
+def same_result(got: QueryResult, gold: QueryResult, *, ordered: bool) -> bool:
+    """Whether ``got`` has the gold rows: as a sequence if ``ordered``, else as a multiset.
+
+    Column names are ignored (as in InterCode); floats are compared to 6 decimals so that two
+    summation orders agree; 3 equals 3.0.
+    """
+    if got.error is not None or not got.complete:
+        return False
+    a, b = [_normal_row(r) for r in got.rows], [_normal_row(r) for r in gold.rows]
+    return a == b if ordered else Counter(a) == Counter(b)
+
+
+def _normal_row(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(round(v, 6) if isinstance(v, float) else v for v in row)
+
+
+def render_result(result: QueryResult, *, max_rows: int, max_cell_chars: int = 60) -> str:
+    """The result as ``col | col`` lines, at most ``max_rows`` rows, with a row count line."""
+    if result.error is not None:
+        return f"Error: {result.error}"
+    if not result.columns:
+        return "The statement returned no table."
+
+    def cell(value: Any) -> str:
+        text = "NULL" if value is None else str(value)
+        text = text.replace("\n", " ")
+        return text if len(text) <= max_cell_chars else text[: max_cell_chars - 3] + "..."
+
+    lines = [" | ".join(result.columns)] + [" | ".join(map(cell, row)) for row in result.rows[:max_rows]]
+    n = len(result.rows)
+    if not result.complete:
+        lines.append(f"(more than {n} rows; first {min(n, max_rows)} shown)")
+    elif n > max_rows:
+        lines.append(f"({n} rows; first {max_rows} shown)")
+    else:
+        lines.append(f"({n} row{'s' if n != 1 else ''})")
+    return "\n".join(lines)
+
+
+def sql_literal(value: Any) -> str:
+    """``value`` as an SQLite literal: 'text' with quotes doubled, or a number."""
+    if isinstance(value, str):
+        return "'" + value.replace("'", "''") + "'"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return repr(value)
+    raise TypeError(f"template parameter {value!r} is neither text nor a number")
+
+
+# ----- databases -----
+def database_path(schema: str, db_seed: int, cache_dir: str | os.PathLike[str] = DEFAULT_CACHE_DIR) -> Path:
+    """Path of the generated database, built (atomically: temp file, then rename) if missing."""
+    if schema not in SCHEMAS:
+        raise ValueError(f"unknown schema {schema!r}; known: {', '.join(SCHEMAS)}")
+    directory = Path(os.path.expanduser(cache_dir))
+    path = directory / f"{schema}-seed{db_seed}-v{DATA_VERSION}.sqlite"
+    if path.exists():
+        return path
+    directory.mkdir(parents=True, exist_ok=True)
+    ddl, fill = SCHEMAS[schema]
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        conn = sqlite3.connect(tmp)
+        try:
+            conn.executescript(ddl)
+            fill(conn, random.Random(f"{schema}:{db_seed}"))
+            conn.commit()
+        finally:
+            conn.close()
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared like any other
+        os.replace(tmp, path)  # concurrent builders write identical files; the last rename wins
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+# ----- tasks -----
+@dataclass(frozen=True)
+class SQLTask:
+    """One question: ``task_id`` like ``"shop.count_city.3"`` (schema.template.instance)."""
+
+    task_id: str
+    schema: str
+    question: str
+    gold_sql: str
+    ordered: bool  # the gold query sorts its output, so row order counts
+
+
+@functools.lru_cache(maxsize=8)
+def all_tasks(db_seed: int, cache_dir: str, per_template: int) -> tuple[SQLTask, ...]:
+    """Every task: each template with up to ``per_template`` parameter rows drawn from its data.
+
+    Instances whose gold result is empty, longer than 50 rows, an error, or changed by reversed
+    row order (a tie) are dropped, and so is a question that repeats an earlier one. A pure
+    function of its arguments, cached because every env instance asks for the same list.
+    """
+    tasks, questions = [], set()
+    connections: dict[str, sqlite3.Connection] = {}
+    try:
+        for template in TEMPLATES:
+            if template.schema not in connections:
+                connections[template.schema] = open_readonly(database_path(template.schema, db_seed, cache_dir))
+            conn = connections[template.schema]
+            for index, params in enumerate(_draw_params(conn, template, per_template)):
+                question = template.question.format(*params)
+                gold_sql = template.sql.format(*map(sql_literal, params))
+                if question in questions or not _unambiguous(conn, gold_sql):
+                    continue
+                questions.add(question)
+                tasks.append(SQLTask(f"{template.schema}.{template.name}.{index}", template.schema, question,
+                                     gold_sql, bool(_ORDER_BY.search(gold_sql))))
+    finally:
+        for conn in connections.values():
+            conn.close()
+    return tuple(tasks)
+
+
+def _draw_params(conn: sqlite3.Connection, template: Template, per_template: int) -> list[tuple[Any, ...]]:
+    candidates = run_query(conn, template.params_sql, time_limit_s=10.0, max_rows=100_000)
+    if candidates.error is not None:
+        raise RuntimeError(f"template {template.name!r}: its parameter query failed: {candidates.error}")
+    rows = list(candidates.rows)
+    if len(rows) > per_template:  # a seeded sample, kept in the query's order
+        keep = set(random.Random(f"params:{template.schema}.{template.name}").sample(range(len(rows)), per_template))
+        rows = [row for i, row in enumerate(rows) if i in keep]
+    return rows
+
+
+def _unambiguous(conn: sqlite3.Connection, gold_sql: str) -> bool:
+    # reverse_unordered_selects is a PRAGMA, which the read-only authorizer refuses; lift it briefly.
+    results = []
+    conn.set_authorizer(None)
+    try:
+        for reverse in (0, 1):
+            conn.execute(f"PRAGMA reverse_unordered_selects = {reverse}")
+            results.append(run_query(conn, gold_sql, time_limit_s=10.0, max_rows=51))
+    finally:
+        conn.execute("PRAGMA reverse_unordered_selects = 0")
+        conn.set_authorizer(_authorize_reading)
+    first, second = results
+    if first.error is not None:
+        raise RuntimeError(f"gold query failed: {first.error}\n{gold_sql}")
+    if not first.rows or not first.complete or len(first.rows) > 50:
+        return False
+    return same_result(second, first, ordered=True) or (
+        not _ORDER_BY.search(gold_sql) and same_result(second, first, ordered=False))
+
+
+@functools.lru_cache(maxsize=16)
+def split_tasks(db_seed: int, cache_dir: str, per_template: int, eval_fraction: float, split_seed: int,
+                split: str) -> tuple[SQLTask, ...]:
+    """Tasks of ``split``: eval when sha256(seed, question) falls under ``eval_fraction``.
+
+    Questions are unique, so the splits share no question (nor gold query: it fixes the question).
+    """
+    chosen = []
+    for task in all_tasks(db_seed, cache_dir, per_template):
+        digest = hashlib.sha256(f"{split_seed}:{task.question}".encode()).hexdigest()
+        if (int(digest[:12], 16) / 16**12 < eval_fraction) == (split == "eval"):
+            chosen.append(task)
+    return tuple(chosen)
+
+
+def schema_text(conn: sqlite3.Connection) -> str:
+    """The CREATE TABLE statements of the database, as stored in ``sqlite_master``."""
+    rows = conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' ORDER BY rowid").fetchall()
+    return "\n".join(" ".join(sql.split()) + ";" for (sql,) in rows)
+
+
+def parse_reply(text: Any) -> str | None:
+    """The SQL (or ``submit``) in a reply: whitespace and a Markdown code fence are removed.
+
+    Returns None for a non-string or an empty reply.
+    """
+    if not isinstance(text, str):
+        return None
+    reply = text.strip()
+    fenced = _FENCE.match(reply)
+    if fenced:
+        reply = fenced.group(1).strip()
+    return reply or None
+
+
+# ----- environment -----
+class SQLTextEnv(gymnasium.Env):
+    """Text-to-SQL: answer a question by querying a generated SQLite database, then submit (InterCode-SQL style).
+
+    Task ids look like ``"shop.count_city.3"``. Each step runs one query (read-only, time-limited)
+    and shows its result; ``submit`` ends the episode and succeeds when the last query that ran
+    returned the gold query's rows.
+
+    Args:
+        max_turns: Budget of replies; reaching it without ``submit`` truncates (reward 0).
+        db_seed: Seed of the generated rows (and so of the tasks drawn from them).
+        per_template: Instances drawn per question template (before dropping empty or tied ones).
+        eval_fraction: Share of questions in "eval" (by a hash of the question).
+        split_seed: Salt of that hash.
+        invalid_action_penalty: Reward subtracted for a reply that does not run (empty, refused,
+            an SQLite error or a timeout).
+        time_limit_s: Wall-clock limit of one query.
+        max_rows_shown: Rows of a result shown in the observation.
+        max_rows_read: Rows read back from a query; a bigger result never matches the gold.
+        cache_dir: Where the generated databases are kept.
+        render_mode: None or "ansi"; ``render()`` returns the current text either way.
+    """
+
+    metadata = {"render_modes": ["ansi"]}
+
+    def __init__(
+        self,
+        *,
+        max_turns: int = 10,
+        db_seed: int = 0,
+        per_template: int = 16,
+        eval_fraction: float = 0.2,
+        split_seed: int = 0,
+        invalid_action_penalty: float = 0.1,
+        time_limit_s: float = 1.0,
+        max_rows_shown: int = 20,
+        max_rows_read: int = 10_000,
+        cache_dir: str = DEFAULT_CACHE_DIR,
+        render_mode: str | None = None,
+    ) -> None:
+        for name, value, minimum in (("max_turns", max_turns, 1), ("db_seed", db_seed, 0), ("per_template", per_template, 1),
+                                     ("split_seed", split_seed, 0), ("max_rows_shown", max_rows_shown, 1),
+                                     ("max_rows_read", max_rows_read, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+        if isinstance(eval_fraction, bool) or not isinstance(eval_fraction, (int, float)) or not 0 < eval_fraction < 1:
+            raise ValueError(f"eval_fraction={eval_fraction!r} must be in (0, 1)")
+        if isinstance(invalid_action_penalty, bool) or not isinstance(invalid_action_penalty, (int, float)) \
+                or invalid_action_penalty < 0:
+            raise ValueError(f"invalid_action_penalty={invalid_action_penalty!r} must be >= 0 (it is subtracted)")
+        if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or time_limit_s <= 0:
+            raise ValueError(f"time_limit_s={time_limit_s!r} must be > 0")
+        if render_mode not in (None, "ansi"):
+            raise ValueError(f"render_mode={render_mode!r} is not supported; use None or 'ansi'")
+        self.max_turns = max_turns
+        self.db_seed = db_seed
+        self.per_template = per_template
+        self.eval_fraction = float(eval_fraction)
+        self.split_seed = split_seed
+        self.invalid_action_penalty = float(invalid_action_penalty)
+        self.time_limit_s = float(time_limit_s)
+        self.max_rows_shown = max_rows_shown
+        self.max_rows_read = max_rows_read
+        self.cache_dir = str(cache_dir)
+        self.render_mode = render_mode
+        self.observation_space = gymnasium.spaces.Text(max_length=1 << 16, charset=string.printable)
+        self.action_space = gymnasium.spaces.Text(min_length=0, max_length=1 << 16, charset=string.printable)
+        self._conn: sqlite3.Connection | None = None
+        self._conn_schema = ""
+        self._task: SQLTask | None = None
+        self._gold = QueryResult()
+        self._last = QueryResult(error="no query has run yet")  # the last query that ran without error
+        self._turn = 0
+        self._done = False
+        self._last_obs = ""
+
+    # ----- tasks -----
+    def task_ids(self, split: str) -> list[str]:
+        """Ids of every task in ``split`` ("train" or "eval"), same for same kwargs."""
+        return [task.task_id for task in self._split(split)]
+
+    def task(self, task_id: str) -> SQLTask:
+        """The question and gold query of ``task_id``."""
+        for split in SPLITS:
+            for task in self._split(split):
+                if task.task_id == task_id:
+                    return task
+        raise ValueError(f"unknown task id {task_id!r}; expected an id from task_ids('train') or task_ids('eval'), "
+                         "e.g. 'shop.count_city.0'")
+
+    def _split(self, split: str) -> tuple[SQLTask, ...]:
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(map(repr, SPLITS))}")
+        return split_tasks(self.db_seed, self.cache_dir, self.per_template, self.eval_fraction, self.split_seed, split)
+
+    # ----- episode -----
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+        """Starts ``options["task"]``, or a seed-chosen train task."""
+        super().reset(seed=seed)
+        task_id = (options or {}).get("task")
+        if task_id is None:
+            train = self._split("train")
+            self._task = train[int(self.np_random.integers(len(train)))]
+        else:
+            self._task = self.task(task_id)
+        conn = self._database()
+        self._gold = run_query(conn, self._task.gold_sql, time_limit_s=10.0, max_rows=self.max_rows_read)
+        self._last = QueryResult(error="no query has run yet")
+        self._turn, self._done = 0, False
+        self._last_obs = f"{INSTRUCTION}\nDatabase schema:\n{schema_text(conn)}\n\nQuestion: {self._task.question}"
+        return self._last_obs, self._info(success=False, valid_action=True)
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """Runs one query, or ends the episode on ``submit``; a bad reply costs the penalty, never raises."""
+        if self._task is None:
+            raise RuntimeError("step() called before reset(); call reset() first")
+        if self._done:
+            raise RuntimeError(f"episode on task {self._task.task_id!r} is over; call reset() before step()")
+        self._turn += 1
+        reply = parse_reply(action)
+        terminated = success = False
+        reward = 0.0
+        if reply is None:
+            valid = False
+            obs = f"Invalid reply: it is empty. Reply with one SQL query, or {SUBMIT}."
+        elif reply.lower().rstrip(";. ") == SUBMIT:
+            valid, terminated = True, True
+            success = same_result(self._last, self._gold, ordered=self._task.ordered)
+            reward = 1.0 if success else 0.0
+            obs = "Submitted: " + ("correct." if success else "the last result does not answer the question.")
+        else:
+            result = run_query(self._database(), reply, time_limit_s=self.time_limit_s, max_rows=self.max_rows_read)
+            valid = result.error is None
+            if valid:
+                self._last = result
+            obs = render_result(result, max_rows=self.max_rows_shown)
+        if not valid:
+            reward = -self.invalid_action_penalty
+        truncated = not terminated and self._turn >= self.max_turns
+        self._done = terminated or truncated
+        self._last_obs = obs
+        return obs, reward, terminated, truncated, self._info(success=success, valid_action=valid)
+
+    def render(self) -> str:
+        """The current observation text ("" before the first reset)."""
+        return self._last_obs
+
+    def close(self) -> None:
+        """Closes the database connection (the next query reopens it)."""
+        if self._conn is not None:
+            self._conn.close()
+        self._conn, self._conn_schema = None, ""
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A connection cannot be copied or pickled; the copy reopens the (read-only) file when needed.
+        state = dict(self.__dict__)
+        state["_conn"], state["_conn_schema"] = None, ""
+        return state
+
+    def _database(self) -> sqlite3.Connection:
+        assert self._task is not None
+        if self._conn is None or self._conn_schema != self._task.schema:
+            self.close()
+            self._conn = open_readonly(database_path(self._task.schema, self.db_seed, self.cache_dir))
+            self._conn_schema = self._task.schema
+        return self._conn
+
+    def _info(self, *, success: bool, valid_action: bool) -> dict[str, Any]:
+        assert self._task is not None
+        if self._done:
+            expert = None
+        elif same_result(self._last, self._gold, ordered=self._task.ordered):
+            expert = SUBMIT
+        else:
+            expert = self._task.gold_sql
+        return {
+            "success": bool(success),
+            "valid_action": bool(valid_action),
+            "task": self._task.task_id,
+            "turn": self._turn,
+            "expert_action": expert,
+        }
