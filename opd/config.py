@@ -54,6 +54,7 @@ class BootstrapConfig:
     batch_size: int = 32  # sequences per SFT step
     learning_rate: float = 2e-3  # AdamW learning rate (cosine decay)
     tokenizer_vocab_size: int = 320  # byte-level BPE trained on the environment's text
+    corpus_episodes: int = 300  # random episodes whose text trains that BPE
     tokenizer: str = ""  # "": that trained BPE; "smollm2": SmolLM2's own (offline); or a tokenizer directory
     cache_dir: str = "~/.cache/opd/bootstrap"  # where built models are kept between runs
 

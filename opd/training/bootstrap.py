@@ -61,8 +61,12 @@ def scripted_episode(env, task: str, choose: Callable[[dict], str], seed: int, e
     obs, info = env.reset(seed=seed, options={"task": task})
     steps = []
     while True:
-        explore = rng.random() < explore_prob
-        action = rng.choice(info["admissible_actions"]) if explore else choose(info)
+        admissible = info.get("admissible_actions") or []
+        explore = bool(admissible) and rng.random() < explore_prob
+        action = rng.choice(admissible) if explore else choose(info)
+        if action is None:  # the policy has no move here (an expert that lost track): stop
+            steps.append((obs, "", False))
+            return steps
         steps.append((obs, action, not explore))
         obs, _, terminated, truncated, info = env.step(action)
         if terminated or truncated:
@@ -70,15 +74,24 @@ def scripted_episode(env, task: str, choose: Callable[[dict], str], seed: int, e
             return steps
 
 
-def _policy(kind: str, rng: random.Random) -> Callable[[dict], str]:
+def _policy(kind: str, rng: random.Random) -> Callable[[dict], str | None]:
+    """The scripted policy: the env's expert (else its first admissible action), or a uniformly
+    random admissible action (else the expert's). ``None`` when the env offers neither."""
+
+    def expert(info: dict) -> str | None:
+        return info.get("expert_action") or next(iter(info.get("admissible_actions") or []), None)
+
     if kind == "expert":
-        return lambda info: info["expert_action"] or info["admissible_actions"][0]
-    return lambda info: rng.choice(info["admissible_actions"])
+        return expert
+    return lambda info: rng.choice(info["admissible_actions"]) if info.get("admissible_actions") else expert(info)
 
 
-def build_tokenizer(env_cfg: Any, vocab_size: int, cache_root: Path):
+def build_tokenizer(env_cfg: Any, vocab_size: int, cache_root: Path, corpus_episodes: int = TOKENIZER_CORPUS_EPISODES):
     """The shared tokenizer for an environment, trained once on its text and cached."""
-    key = _digest({"v": CACHE_VERSION, "env": env_cfg.id, "kwargs": _plain(env_cfg.kwargs), "vocab": vocab_size})
+    payload = {"v": CACHE_VERSION, "env": env_cfg.id, "kwargs": _plain(env_cfg.kwargs), "vocab": vocab_size}
+    if corpus_episodes != TOKENIZER_CORPUS_EPISODES:  # the default stays out: earlier caches keep their key
+        payload["corpus"] = corpus_episodes
+    key = _digest(payload)
     directory = cache_root / f"tokenizer-{key}"
     if (directory / "tokenizer.json").is_file():
         return load_tokenizer(str(directory))
@@ -87,7 +100,7 @@ def build_tokenizer(env_cfg: Any, vocab_size: int, cache_root: Path):
     tasks = env.unwrapped.task_ids(env_cfg.train_split)
     rng = random.Random(0)
     corpus = ["left", "down", "right", "up", "user", "assistant", "system", "Invalid action"]
-    for i in range(min(TOKENIZER_CORPUS_EPISODES, len(tasks))):
+    for i in range(min(corpus_episodes, len(tasks))):
         for obs, action, _ in scripted_episode(env, tasks[i], _policy("random_valid", rng), seed=i):
             corpus += [obs, action]
     env.close()
@@ -100,7 +113,7 @@ def resolve_tokenizer(boot: Any, env_cfg: Any, cache_root: Path):
     """The tokenizer ``boot.tokenizer`` names: trained on the env's text (``""``), SmolLM2's
     (``"smollm2"``), or the one saved in a directory."""
     if not boot.tokenizer:
-        return build_tokenizer(env_cfg, boot.tokenizer_vocab_size, cache_root)
+        return build_tokenizer(env_cfg, boot.tokenizer_vocab_size, cache_root, boot.corpus_episodes)
     if boot.tokenizer == "smollm2":
         return load_tokenizer(smollm2_tokenizer_dir(cache_root))
     return load_tokenizer(boot.tokenizer)
@@ -136,7 +149,8 @@ def build_bootstrap_model(boot: Any, env_cfg: Any, seed: int, log: Callable[[str
     """Return the directory of the model ``boot`` describes, building it on first use."""
     cache_root = Path(os.path.expanduser(boot.cache_dir))
     # An unset tokenizer stays out of the key, so models built before that option keep their key.
-    settings = {k: v for k, v in _plain(boot).items() if k != "cache_dir" and not (k == "tokenizer" and not v)}
+    settings = {k: v for k, v in _plain(boot).items() if k != "cache_dir" and not (k == "tokenizer" and not v)
+                and not (k == "corpus_episodes" and v == TOKENIZER_CORPUS_EPISODES)}
     key = _digest({"v": CACHE_VERSION, "boot": settings, "env": env_cfg.id,
                    "kwargs": _plain(env_cfg.kwargs), "split": env_cfg.train_split, "seed": seed})
     directory = cache_root / f"{boot.policy}-{key}"
