@@ -12,6 +12,7 @@ measured after one warm-up episode (first-use caches such as generated games are
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -75,15 +76,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--envs", nargs="*", default=list(DEFAULTS))
     parser.add_argument("--n", type=int, default=0, help="eval tasks per env (0: the defaults)")
+    parser.add_argument("--kwargs", default="", help='JSON constructor kwargs, e.g. \'{"setting": "refill"}\'')
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     lines = ["| environment | reset (median) | step (median) | expert success on eval | tasks (train / eval / test) |",
              "|---|---|---|---|---|"]
     for env_id in args.envs:
         kwargs, n = DEFAULTS.get(env_id, ({}, 20))
+        kwargs = json.loads(args.kwargs) if args.kwargs else kwargs
         row = measure(env_id, kwargs, args.n or n)
         sizes = " / ".join(str(row["splits"][s]) for s in ("train", "eval", "test") if s in row["splits"])
-        lines.append(f"| `{env_id}` | {row['reset_ms']:.2f} ms | {row['step_ms']:.2f} ms | "
+        label = env_id + (f" {kwargs}" if kwargs else "")
+        lines.append(f"| `{label}` | {row['reset_ms']:.2f} ms | {row['step_ms']:.2f} ms | "
                      f"{row['expert_success']:.1%} ({row['n']} tasks) | {sizes} |")
         print(lines[-1], flush=True)
     table = "\n".join(lines)
