@@ -51,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     check_p.add_argument("overrides", nargs="*")
     sub.add_parser("envs", help="list registered environments")
     args = parser.parse_args(argv)
+    # As `python -m` does: the user's own losses and environments in the current directory import
+    # by dotted path (the Ray workers inherit this sys.path).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     _quiet_libraries()
     console = _console()
 

@@ -43,6 +43,7 @@ def test_custom_loss_recipe_trains(tmp_path, monkeypatch):
     assert code == 0
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "time/step_s" in line]
     assert len(steps) == 2
+    assert max(r["teacher_weighted_nll/kept_fraction"] for r in steps) > 0, "the user's loss saw teacher-approved tokens"
     for record in steps:
         assert math.isfinite(record["loss/teacher_weighted_nll"]) and math.isfinite(record["loss/reverse_kl"])
         assert 0.0 <= record["teacher_weighted_nll/kept_fraction"] <= 1.0
