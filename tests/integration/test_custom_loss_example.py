@@ -49,3 +49,16 @@ def test_custom_loss_recipe_trains(tmp_path, monkeypatch):
         assert 0.0 <= record["teacher_weighted_nll/kept_fraction"] <= 1.0
         # The trainer's loss is the weighted sum of the two terms.
         assert record["loss"] == pytest.approx(record["loss/reverse_kl"] + 0.1 * record["loss/teacher_weighted_nll"], abs=1e-5)
+
+
+def test_the_opd_command_imports_a_loss_from_the_current_directory():
+    """The installed ``opd`` script (not ``python -m``, which adds the cwd itself) resolves the
+    example's dotted path from the repository root, as the docs promise."""
+    import subprocess
+    import sys
+
+    opd = Path(sys.executable).parent / "opd"
+    result = subprocess.run([str(opd), "check", "examples/custom_loss/recipe.yaml"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "examples.custom_loss.my_losses.teacher_weighted_nll" in result.stdout
