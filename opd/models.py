@@ -65,15 +65,23 @@ def smollm2_tokenizer_dir(cache_root: str | Path = "~/.cache/opd") -> str:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(Path(spec.origin).parent), gguf_file=SMOLLM2_GGUF)
-    partial = directory.with_name(f".partial-{directory.name}-{os.getpid()}")
-    tokenizer.save_pretrained(partial)
-    if directory.exists():  # another process finished first
-        import shutil
-
-        shutil.rmtree(partial)
-    else:
-        os.replace(partial, directory)
+    save_directory_atomically(directory, tokenizer.save_pretrained)
     return str(directory)
+
+
+def save_directory_atomically(directory: Path, write) -> None:
+    """``write(tmp)`` fills a temporary sibling that is then renamed to ``directory``: readers see
+    the whole directory or none. If another process got there first, its copy is kept."""
+    import shutil
+
+    partial = directory.with_name(f".partial-{directory.name}-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    write(partial)
+    if directory.exists():
+        shutil.rmtree(partial)
+        return
+    os.replace(partial, directory)
 
 
 def load_model(path: str, dtype: str = "float32", trust_remote_code: bool = False):

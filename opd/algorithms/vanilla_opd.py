@@ -4,13 +4,15 @@ One step, top to bottom:
 
 1. **Rollout.** The student plays ``episodes_per_step`` training tasks (think-then-act at every
    turn), recording each token exactly as sampled with its behaviour logprob.
-2. **Supervision.** The teacher scores every student response token under its view of the turn:
+2. **Supervision.** The teacher scores every student response token (``supervision.scoring``:
+   its logprob of the token, its top-k, or its full distribution) under its view of the turn:
    ``full`` (the student's own history, as in vanilla OPD) or ``state_grounded`` (the task, the
    executed actions and the observations only: no student reasoning reaches the teacher, so
    its grades stay in-distribution). All turns of a trajectory share one packed forward.
 3. **Update.** One sequence per trajectory (every turn's context in the student's own view is
    a prefix of it) with the recipe's losses, by default the sampled reverse KL used as a
-   per-token advantage ``log pi_T - log mu`` with a PPO-clipped importance ratio.
+   per-token advantage ``log pi_T - log mu`` with a PPO-clipped importance ratio. Episodes of
+   the same task (``rollout.group_size``) also get GRPO advantages, for ``ppo_clip``.
 4. **Sync.** The trainer's new weights go into the rollout engine, timed.
 
 Departure from the papers: the per-token advantage is not discounted or summed over future
@@ -49,12 +51,12 @@ def build_token_batch(trajs: list[Trajectory], scores: list[TokenScores], pad_id
     group-relative advantages of the episodes' returns (groups of ``group_size`` consecutive
     trajectories, which played the same task)."""
     rows = [student_sequence(traj, fmt) for traj in trajs]
-    for row, score in zip(rows, scores):
-        row["teacher_logprobs"] = _place(row, score.logprobs, 0.0)
-    batch = TokenBatch.from_rows(rows, pad_id)
-    B, T = batch.input_ids_BT.shape
     # Token n of a trajectory's flat scores sits at the n-th response position of its row.
     index = [[p for start, end in row["response_positions"] for p in range(start, end)] for row in rows]
+    batch = TokenBatch.from_rows(rows, pad_id)
+    B, T = batch.input_ids_BT.shape
+    for b, (positions, score) in enumerate(zip(index, scores)):
+        batch.teacher_logprobs_BT[b, positions] = torch.tensor(score.logprobs)
     if scores and scores[0].topk_ids is not None:
         K = scores[0].topk_ids.shape[1]
         ids_BTK = torch.zeros(B, T, K, dtype=torch.long)
@@ -73,15 +75,6 @@ def build_token_batch(trajs: list[Trajectory], scores: list[TokenScores], pad_id
     rewards = torch.tensor([traj.total_reward for traj in trajs])
     groups = torch.arange(len(trajs)) // max(1, group_size)
     return replace(batch, advantage_B=group_advantages(rewards, groups))
-
-
-def _place(row: dict, flat: list[float], fill: float) -> list[float]:
-    out = [fill] * len(row["input_ids"])
-    i = 0
-    for start, end in row["response_positions"]:
-        out[start:end] = flat[i : i + end - start]
-        i += end - start
-    return out
 
 
 def train_step(ctx: Any, step: int) -> dict[str, float]:

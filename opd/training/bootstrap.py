@@ -21,7 +21,6 @@ import json
 import math
 import os
 import random
-import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,7 +29,8 @@ from omegaconf import OmegaConf
 
 from opd.chat import ChatFormat, first_prompt_ids, next_prompt_ids, student_sequence
 from opd.envs import EnvFactory
-from opd.models import load_tokenizer, save_model, smollm2_tokenizer_dir, tiny_qwen3, train_chat_tokenizer
+from opd.models import (load_tokenizer, save_directory_atomically, save_model, smollm2_tokenizer_dir, tiny_qwen3,
+                        train_chat_tokenizer)
 from opd.trajectory import TokenBatch, Trajectory, Turn
 
 TOKENIZER_CORPUS_EPISODES = 300
@@ -105,7 +105,7 @@ def build_tokenizer(env_cfg: Any, vocab_size: int, cache_root: Path, corpus_epis
             corpus += [obs, action]
     env.close()
     tokenizer = train_chat_tokenizer(corpus, vocab_size=vocab_size)
-    _save_atomically(directory, lambda d: tokenizer.save_pretrained(d))
+    save_directory_atomically(directory, tokenizer.save_pretrained)
     return load_tokenizer(str(directory))
 
 
@@ -117,17 +117,6 @@ def resolve_tokenizer(boot: Any, env_cfg: Any, cache_root: Path):
     if boot.tokenizer == "smollm2":
         return load_tokenizer(smollm2_tokenizer_dir(cache_root))
     return load_tokenizer(boot.tokenizer)
-
-
-def _save_atomically(directory: Path, write: Callable[[Path], None]) -> None:
-    partial = directory.with_name(f".partial-{directory.name}-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    write(partial)
-    if directory.exists():
-        shutil.rmtree(partial)  # another process finished first; keep theirs
-        return
-    os.replace(partial, directory)
 
 
 def _sft_row(steps: list[tuple[str, str, bool]], task: str, tokenizer, fmt: ChatFormat) -> dict[str, list]:
@@ -172,12 +161,13 @@ def build_bootstrap_model(boot: Any, env_cfg: Any, seed: int, log: Callable[[str
     log(f"bootstrap: SFT of a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter model on "
         f"{len(rows)} {boot.policy} episodes for {boot.sft_steps} steps (cached in {directory})")
     sft(model, rows, fmt.pad_id, boot, seed, log)
-    _save_atomically(directory, lambda d: save_model(model.eval(), tokenizer, d))
+    save_directory_atomically(directory, lambda d: save_model(model.eval(), tokenizer, d))
     return str(directory)
 
 
 def sft(model, rows: list[dict], pad_id: int, boot: Any, seed: int, log: Callable[[str], None]) -> None:
     """Cross-entropy on response tokens, AdamW with linear warm-up and cosine decay."""
+    from opd.losses import sft as sft_loss
     from opd.training.trainer import token_logprobs
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=boot.learning_rate, weight_decay=0.0)
@@ -189,8 +179,7 @@ def sft(model, rows: list[dict], pad_id: int, boot: Any, seed: int, log: Callabl
     rng = random.Random(seed)
     for step in range(boot.sft_steps):
         batch = TokenBatch.from_rows(rng.sample(rows, min(boot.batch_size, len(rows))), pad_id)
-        logp_BT = token_logprobs(model, batch)
-        loss = -(logp_BT * batch.loss_mask_BT).sum() / batch.loss_mask_BT.sum().clamp(min=1.0)
+        loss, _ = sft_loss(batch.with_student(token_logprobs(model, batch)), {})
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
