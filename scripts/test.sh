@@ -2,6 +2,8 @@
 # The whole test suite: unit, integration (real Ray + DeepSpeed), end to end (the quickstart).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The suite tests the vLLM engine on vLLM's CPU build: install it too.
+export OPD_VLLM=1
 scripts/setup.sh
 set +e
 .venv/bin/python -m pytest -v -rs --durations=15 "$@"

@@ -36,12 +36,14 @@ class SamplingParams:
             (temperature 1 when greedy).
         stop_token_ids: a response ends right after one of these (it is kept in the response).
         seed: seeds the sampler; the same prompts, params and weights give the same samples.
+        n: samples per prompt; ``generate`` returns them prompt-major (``n`` per prompt in a row).
     """
 
     max_new_tokens: int
     temperature: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    n: int = 1
 
 
 @dataclass

@@ -41,6 +41,7 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        prompts = [p for p in prompts for _ in range(params.n)]
         out: list[Completion] = []
         for start in range(0, len(prompts), self.max_batch_size):
             out += self._generate_batch(prompts[start : start + self.max_batch_size], params, generator)

