@@ -29,7 +29,8 @@ def tiny_model_dir() -> str:
     return directory
 
 
-def measure(name: str, path: str, prompts: int, new_tokens: int, vocab: int) -> dict:
+def measure(name: str, path: str, prompts: int, new_tokens: int) -> dict:
+    vocab = load_model(path).config.vocab_size
     gen = torch.Generator().manual_seed(0)
     batch = [torch.randint(10, vocab, (32,), generator=gen).tolist() for _ in range(prompts)]
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0)
@@ -50,8 +51,8 @@ def measure(name: str, path: str, prompts: int, new_tokens: int, vocab: int) -> 
 
 
 if __name__ == "__main__":  # vLLM spawns helpers: keep the entry point guarded
-    rows = [measure("tiny-qwen3 (0.1M)", tiny_model_dir(), 64, 32, 300),
-            measure("SmolLM2-135M", smollm2_model_dir(), 16, 16, 49152)]
+    rows = [measure("tiny-qwen3 (0.1M)", tiny_model_dir(), 64, 32),
+            measure("SmolLM2-135M", smollm2_model_dir(), 16, 16)]
     print("| model | batch | HF tokens/s | vLLM tokens/s | vLLM / HF | HF sync | vLLM sync |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

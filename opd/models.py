@@ -86,7 +86,14 @@ def smollm2_model_dir(cache_root: str | Path = "~/.cache/opd") -> str:
     from transformers import AutoModelForCausalLM
 
     source = str(Path(spec.origin).parent)
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    dequantised = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # A model loaded from GGUF counts as quantized and refuses save_pretrained: copy its
+    # (already dequantised) weights into a plain model of the same architecture.
+    config = dequantised.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(dequantised.state_dict())
     tokenizer = load_tokenizer(smollm2_tokenizer_dir(cache_root))
     save_directory_atomically(directory, lambda d: save_model(model, tokenizer, d))
     return str(directory)
