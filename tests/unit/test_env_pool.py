@@ -60,3 +60,27 @@ def test_pool_results_and_failures_line_up_with_their_calls():
         assert isinstance(resets[1], EnvFailure) and resets[1].kind == "error" and "no-such-task" in resets[1].message
         (step,) = pool.step_many([(0, "not a move")])
         assert step[4]["valid_action"] is False  # a bad action is an observation, in a child too
+
+
+def test_children_do_not_import_the_parents_main_module(tmp_path):
+    """Inside a Ray actor ``__main__`` is Ray's worker script; a child importing it would load
+    all of Ray. Checked with a main script whose top level leaves a mark each time it runs."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    marks = tmp_path / "marks"
+    script = tmp_path / "main_script.py"
+    script.write_text(
+        "import os, sys\n"
+        f"open({str(marks)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
+        "from opd.envs import EnvFactory\n"
+        "from opd.rollout.env_pool import EnvWorkerPool\n"
+        "if __name__ == '__main__':\n"
+        "    with EnvWorkerPool(EnvFactory('opd/FrozenLakeText-v0', {}), timeout_s=30) as pool:\n"
+        "        results = pool.reset_many([(i, 'fl4-train-00000', 0) for i in range(3)])\n"
+        "        assert all(isinstance(r, tuple) for r in results)\n"
+    )
+    subprocess.run([sys.executable, str(script)], check=True, timeout=120)
+    assert len(marks.read_text().split()) == 1, "a child process re-ran the parent's main module"
