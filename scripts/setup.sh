@@ -21,6 +21,14 @@ if [ ! -x .venv/bin/python ]; then
     fi
   fi
 fi
+if ! command -v g++ >/dev/null 2>&1; then
+  # alfworld's planner (fast-downward) and jericho build from source.
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq build-essential
+  else
+    echo "warning: no C++ compiler found; alfworld needs one to install (sudo apt-get install build-essential)." >&2
+  fi
+fi
 if ! command -v java >/dev/null 2>&1; then
   # ScienceWorld and TextWorldExpress run on the JVM (Java 17).
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
