@@ -136,7 +136,7 @@ class VLLMEngine:
         params = VSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=k, detokenize=False)
         outputs = self.llm.generate(flat, params, use_tqdm=False)
         results, cursor = [], 0
-        for (sequences, targets), request in zip(unpacked, requests):
+        for sequences, targets in unpacked:
             prompt_logprobs = [o.prompt_logprobs for o in outputs[cursor : cursor + len(sequences)]]
             cursor += len(sequences)
             results.append(self._read(prompt_logprobs, sequences, targets, mode, k))

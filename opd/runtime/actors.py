@@ -64,12 +64,12 @@ class _PolicyHost:
 
         start = time.perf_counter()
         envs = self._envs(env_factory, settings)
-        restarts = envs.restarts if envs is not None else 0
+        restarts_before = envs.restarts if envs is not None else 0
         trajs = run_episodes(self.engine, env_factory, tasks, self.tokenizer, self.fmt, settings, seed, envs=envs)
         seconds = time.perf_counter() - start
         tokens = sum(t.num_response_tokens for t in trajs)
-        return trajs, {"generation_s": seconds, "generated_tokens": float(tokens),
-                       "env_restarts": float((envs.restarts if envs is not None else 0) - restarts)}
+        restarts = (envs.restarts - restarts_before) if envs is not None else 0
+        return trajs, {"generation_s": seconds, "generated_tokens": float(tokens), "env_restarts": float(restarts)}
 
     def chat_format(self):
         return self.fmt
