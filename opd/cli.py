@@ -3,6 +3,7 @@
     opd train RECIPE [key=value ...] [--resume]   train; overrides use dotted keys
     opd check RECIPE [key=value ...]              validate a recipe without running it
     opd envs                                      list the registered environments
+    opd references build RECIPE [key=value ...]   build ActFirst's reference trajectories once
 
 Predictable mistakes (a bad recipe, a missing model, a run directory that already holds a
 run) print one clear message and exit with status 2, never a traceback.
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     check_p.add_argument("recipe")
     check_p.add_argument("overrides", nargs="*")
     sub.add_parser("envs", help="list registered environments")
+    refs_p = sub.add_parser("references", help="ActFirst reference trajectories")
+    refs_p.add_argument("action", choices=["build"])
+    refs_p.add_argument("recipe")
+    refs_p.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     # As `python -m` does: the user's own losses and environments in the current directory import
     # by dotted path (the Ray workers inherit this sys.path).
@@ -71,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.recipe, args.overrides)
         if args.command == "check":
             console.print(to_yaml(cfg))
+            return 0
+        if args.command == "references":
+            from opd.rollout.references import build_references
+
+            build_references(cfg, log=console.log)
             return 0
         from opd.runtime.driver import train
 

@@ -56,6 +56,8 @@ class BootstrapConfig:
     tokenizer_vocab_size: int = 320  # byte-level BPE trained on the environment's text
     corpus_episodes: int = 300  # random episodes whose text trains that BPE
     tokenizer: str = ""  # "": that trained BPE; "smollm2": SmolLM2's own (offline); or a tokenizer directory
+    think: str = ""  # "": the response is the action; "plan": a <think> block (state and plan) before it
+    action_only_prob: float = 0.0  # share of turns also trained in ActFirst's action-only prompts
     cache_dir: str = "~/.cache/opd/bootstrap"  # where built models are kept between runs
 
 
@@ -105,6 +107,33 @@ class SupervisionConfig:
     top_k: int = 20  # ids per position for scoring: topk
     cross_tokenizer: bool = False  # teacher tokenizer differs: re-tokenise text, align spans (sampled only)
     score_batch_size: int = 16  # trajectories per teacher forward
+
+
+@dataclass
+class ActFirstConfig:
+    """ActFirst-OPD (``algorithm: actfirst_opd``): act by inverse dynamics along a reference, then
+    generate the full think-then-act responses off the critical path."""
+
+    inverse_dynamics: bool = True  # false: the "w/o ID" ablation, fast actions with no reference
+    reference_source: str = "expert"  # expert (the env's expert) | teacher (its rollouts) | dataset
+    reference_dataset: str = ""  # reference_source: dataset: a user's dataset (see docs/actfirst.md)
+    references_dir: str = ""  # where built references live; "": under bootstrap's cache, keyed by content
+    keep_failed_references: bool = False  # keep references that did not succeed
+    action_max_new_tokens: int = 8  # token budget of a fast (action-only) turn
+    transition_check: str = "exact"  # exact (normalised text) | env (the environment's own comparator)
+
+
+@dataclass
+class PivotConfig:
+    """PivotOPD (``algorithm: pivot_opd``): find the pivotal mistake in failed rollouts, prevent it
+    (reverse KL) and teach recovery (forward KL to a hinted self-teacher), in one PPO update."""
+
+    finder: str = "teacher_logprob"  # judge (the teacher reads the transcript) | teacher_logprob | kl | expert
+    recovery_turns: int = 2  # k: turns after the pivot trained toward the self-teacher
+    preventive_weight: float = 1.0  # lambda_prev
+    recovery_weight: float = 1.0  # lambda_rec
+    judge_max_new_tokens: int = 96  # token budget of the teacher's judgement
+    hint_top_k: int = 20  # self-teacher distribution kept per position (top-k + tail)
 
 
 @dataclass
@@ -166,19 +195,21 @@ class OPDConfig:
     """A whole run. Sections map one-to-one onto the boxes of the loop in DESIGN.md."""
 
     name: str = "run"  # a label for logs
-    algorithm: str = "vanilla_opd"  # vanilla_opd
+    algorithm: str = "vanilla_opd"  # vanilla_opd | grpo | pivot_opd | actfirst_opd
     student: ModelConfig = field(default_factory=ModelConfig)
     teacher: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
+    actfirst: ActFirstConfig = field(default_factory=ActFirstConfig)
+    pivot: PivotConfig = field(default_factory=PivotConfig)
     losses: list[LossConfig] = field(default_factory=lambda: [LossConfig(name="reverse_kl")])
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     run: RunConfig = field(default_factory=RunConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
 
-ALGORITHMS = ("vanilla_opd",)
+ALGORITHMS = ("vanilla_opd", "grpo", "pivot_opd", "actfirst_opd")
 TEACHER_VIEWS = ("state_grounded", "full")
 SCORING_MODES = ("sampled", "topk", "full")
 ENGINES = ("hf", "vllm")
@@ -295,6 +326,17 @@ def validate(cfg: Any, source: str = "config") -> None:
     _check_choice(cfg.algorithm, ALGORITHMS, "algorithm", source)
     _check_choice(cfg.supervision.teacher_view, TEACHER_VIEWS, "supervision.teacher_view", source)
     _check_choice(cfg.supervision.scoring, SCORING_MODES, "supervision.scoring", source)
+    _check_choice(cfg.actfirst.reference_source, ("expert", "teacher", "dataset"), "actfirst.reference_source", source)
+    _check_choice(cfg.actfirst.transition_check, ("exact", "env"), "actfirst.transition_check", source)
+    _check_positive(cfg.actfirst.action_max_new_tokens, "actfirst.action_max_new_tokens", source)
+    if cfg.actfirst.reference_source == "dataset" and not cfg.actfirst.reference_dataset:
+        raise ConfigError(f"{source}: key 'actfirst.reference_dataset' is empty but 'actfirst.reference_source' is "
+                          "'dataset'; give the path of your references (see docs/actfirst.md).")
+    _check_choice(cfg.pivot.finder, ("judge", "teacher_logprob", "kl", "expert"), "pivot.finder", source)
+    _check_positive(cfg.pivot.recovery_turns, "pivot.recovery_turns", source, allow_zero=True)
+    _check_positive(cfg.pivot.preventive_weight, "pivot.preventive_weight", source, allow_zero=True)
+    _check_positive(cfg.pivot.recovery_weight, "pivot.recovery_weight", source, allow_zero=True)
+    _check_positive(cfg.pivot.hint_top_k, "pivot.hint_top_k", source)
     for role in ("student", "teacher"):
         _validate_model(getattr(cfg, role), role, source)
     run, rollout, trainer = cfg.run, cfg.rollout, cfg.trainer
@@ -352,6 +394,10 @@ def _validate_model(model: Any, role: str, source: str) -> None:
     _check_choice(model.dtype, DTYPES, f"{role}.dtype", source)
     if model.bootstrap is not None:
         _check_choice(model.bootstrap.policy, BOOTSTRAP_POLICIES, f"{role}.bootstrap.policy", source)
+        _check_choice(model.bootstrap.think, ("", "plan"), f"{role}.bootstrap.think", source)
+        if not 0.0 <= model.bootstrap.action_only_prob <= 1.0:
+            raise ConfigError(f"{source}: key '{role}.bootstrap.action_only_prob' is {model.bootstrap.action_only_prob}; "
+                              "expected 0 <= p <= 1.")
         if not 0.0 <= model.bootstrap.explore_prob < 1.0:
             raise ConfigError(f"{source}: key '{role}.bootstrap.explore_prob' is {model.bootstrap.explore_prob}; expected 0 <= p < 1.")
         if model.path:

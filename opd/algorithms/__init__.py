@@ -9,7 +9,12 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-ALGORITHMS = {"vanilla_opd": "opd.algorithms.vanilla_opd"}
+ALGORITHMS = {
+    "vanilla_opd": "opd.algorithms.vanilla_opd",
+    "grpo": "opd.algorithms.grpo",
+    "pivot_opd": "opd.algorithms.pivot_opd",
+    "actfirst_opd": "opd.algorithms.actfirst_opd",
+}
 
 
 def get_algorithm(name: str) -> ModuleType:

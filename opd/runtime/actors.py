@@ -74,6 +74,11 @@ class _PolicyHost:
     def chat_format(self):
         return self.fmt
 
+    def run(self, fn, *args, **kwargs):
+        """``fn(self, *args, **kwargs)`` inside this worker: how an algorithm runs its own rollout
+        or scoring code next to the engine (``fn`` must be importable, e.g. a module function)."""
+        return fn(self, *args, **kwargs)
+
 
 class TeacherWorker(_PolicyHost):
     """The frozen teacher: scores the student's responses in the recipe's view and scoring mode.

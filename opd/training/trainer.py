@@ -138,8 +138,14 @@ class StudentTrainer:
         nonfinite = 0
         n_micro = max(1, math.ceil(len(batch) / self.micro_batch_size))
         # Normalisers of the whole batch: the micro-batch losses then add up to the batch's loss.
-        batch = batch.with_totals(micro_batches=n_micro)
+        # DeepSpeed divides each micro-batch loss by its configured accumulation steps, which the
+        # losses undo with ``totals["micro_batches"]``; the boundary is set by hand, so a batch may
+        # hold any number of rows (per-turn rows, extra recovery rows), not only episodes_per_step.
+        gas = self.engine.gradient_accumulation_steps()
+        batch = batch.with_totals(micro_batches=gas)
+        tokens = float(batch.loss_mask_BT.sum())
         for m in range(n_micro):
+            self.engine.set_gradient_accumulation_boundary(m == n_micro - 1)
             micro = batch.select(slice(m * self.micro_batch_size, (m + 1) * self.micro_batch_size)).to(self.engine.device)
             micro = micro.with_student(*student_logprobs(self.engine, micro, self.temperature))
             loss, metrics = combined_loss(micro, self.loss_terms)
@@ -148,10 +154,13 @@ class StudentTrainer:
                 # Keep the graph so DeepSpeed's accumulation stays in step; contribute no gradient.
                 loss = micro.student_logprobs_BT.sum() * 0.0
             self.engine.backward(loss)
-            self.engine.step()
+            # Losses are scaled so they sum to the batch's over micro-batches (see above); the
+            # terms' diagnostics are per-micro-batch token means, weighted here by token share.
+            share = float(micro.loss_mask_BT.sum()) / tokens if tokens > 0 else 1.0 / n_micro
             for k, v in metrics.items():
-                metrics_sum[k] = metrics_sum.get(k, 0.0) + v / n_micro
-            metrics_sum["loss"] = metrics_sum.get("loss", 0.0) + float(loss.detach()) / n_micro
+                metrics_sum[k] = metrics_sum.get(k, 0.0) + (v / gas if k.startswith("loss/") else v * share)
+            metrics_sum["loss"] = metrics_sum.get("loss", 0.0) + float(loss.detach()) / gas
+        self.engine.step()
         self.steps += 1
         metrics_sum["nonfinite_loss"] = float(nonfinite > 0)
         metrics_sum["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)

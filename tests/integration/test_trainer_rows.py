@@ -1,0 +1,62 @@
+"""The DeepSpeed trainer (CPU, gloo, in this process) takes a batch of any number of rows.
+
+ActFirst trains one row per turn and PivotOPD adds recovery rows, so a step's batch is not
+always ``rollout.episodes_per_step`` rows. The accumulated gradient must still be the whole
+batch's: the trainer's reported loss and pre-clip gradient norm are compared with a plain
+PyTorch forward/backward of the same loss over the whole batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from opd.config import TrainerConfig
+
+pytestmark = pytest.mark.integration
+
+
+def _batch(tokenizer, fmt, rows: int, seed: int):
+    from opd.trajectory import TokenBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    data = []
+    for r in range(rows):
+        prompt = [fmt.im_start_id, *fmt.role_ids["user"], *tokenizer.encode("F F H G", add_special_tokens=False)]
+        response = torch.randint(5, 250, (3 + r % 4,), generator=gen).tolist()
+        n = len(prompt) + len(response)
+        data.append({
+            "input_ids": prompt + response,
+            "attention_mask": [1] * n,
+            "loss_mask": [0.0] * len(prompt) + [1.0] * len(response),
+            "behaviour_logprobs": [0.0] * len(prompt) + (-torch.rand(len(response), generator=gen) * 3).tolist(),
+            "teacher_logprobs": [0.0] * len(prompt) + (-torch.rand(len(response), generator=gen) * 3).tolist(),
+            "turn_index": [-1] * len(prompt) + [0] * len(response),
+        })
+    return TokenBatch.from_rows(data, fmt.pad_id)
+
+
+@pytest.mark.parametrize("rows", [3, 5, 8, 11])
+def test_any_row_count_gives_the_whole_batch_gradient(rows, tokenizer, fmt, tiny_model_dir):
+    from opd.losses import combined_loss
+    from opd.models import load_model
+    from opd.training.trainer import StudentTrainer, token_logprobs
+
+    cfg = OmegaConf.structured(TrainerConfig(learning_rate=1e-3, micro_batch_size=2, zero_stage=1, grad_clip_norm=1e9))
+    terms = [("reverse_kl", 1.0, {})]
+    batch = _batch(tokenizer, fmt, rows, seed=rows)
+
+    model = load_model(tiny_model_dir)
+    loss, _ = combined_loss(batch.with_totals().with_student(token_logprobs(model, batch)), terms)
+    loss.backward()
+    expected_norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None)).item()
+
+    trainer = StudentTrainer(cfg, terms, tiny_model_dir, episodes_per_step=4)
+    before = {k: v.clone() for k, v in trainer.export_weights().items()}
+    metrics = trainer.train_step(batch)
+    after = trainer.export_weights()
+
+    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-5)
+    assert metrics["grad_norm"] == pytest.approx(expected_norm, rel=1e-3)
+    assert max((after[k] - before[k]).abs().max().item() for k in before) > 0  # one optimizer step was taken
