@@ -35,6 +35,9 @@ class Turn:
         observation: the environment's answer to the action (text).
         reward, terminated, truncated: from ``env.step``.
         info: the JSON-safe subset of the step's info (success, valid_action, expert_action...).
+        executed_action_ids: set when the executed action was not sampled inside this response
+            (ActFirst: a fast action-only turn acted, the full response was generated after);
+            then :attr:`action_ids` is these ids, and the state-grounded view shows them.
     """
 
     prompt_ids: list[int]
@@ -48,9 +51,13 @@ class Turn:
     terminated: bool = False
     truncated: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    executed_action_ids: list[int] | None = None
 
     @property
     def action_ids(self) -> list[int]:
+        """The ids of the executed action (a span of the response unless set apart)."""
+        if self.executed_action_ids is not None:
+            return self.executed_action_ids
         return self.response_ids[self.action_start : self.action_end]
 
 
