@@ -37,6 +37,9 @@ class SamplingParams:
         stop_token_ids: a response ends right after one of these (it is kept in the response).
         seed: seeds the sampler; the same prompts, params and weights give the same samples.
         n: samples per prompt; ``generate`` returns them prompt-major (``n`` per prompt in a row).
+        stop: strings that end a response once its decoded text (special tokens skipped)
+            contains one; the response ends with the token that completes it (kept, like a stop
+            token, so the ids stay exactly as sampled; its text may run past the string).
     """
 
     max_new_tokens: int
@@ -44,6 +47,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
     n: int = 1
+    stop: tuple[str, ...] = ()
 
 
 @dataclass

@@ -17,17 +17,18 @@ from __future__ import annotations
 import torch
 
 from opd.generation.base import Completion, SamplingParams, ScoreRequest, TokenScores, branch_attention_mask, scores_from_logprobs
-from opd.models import load_model
+from opd.models import load_model, load_tokenizer
 
 
 class HFEngine:
     """One causal LM behind the engine contract (see :mod:`opd.generation.base`)."""
 
-    def __init__(self, model, pad_id: int, max_batch_size: int = 64, device: str | None = None):
+    def __init__(self, model, pad_id: int, max_batch_size: int = 64, device: str | None = None, tokenizer=None):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = model.to(self.device).eval()
         self.pad_id = pad_id
         self.max_batch_size = max_batch_size
+        self.tokenizer = tokenizer  # only stop strings need it (generation is ids in, ids out)
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: str = "float32", trust_remote_code: bool = False) -> "HFEngine":
@@ -35,11 +36,14 @@ class HFEngine:
         pad = model.config.pad_token_id
         if pad is None:
             pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
-        return cls(model, pad_id=pad)
+        return cls(model, pad_id=pad, tokenizer=load_tokenizer(path, trust_remote_code))
 
     # -- generation -------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the engine's tokenizer: build it with HFEngine.from_pretrained "
+                             "or pass tokenizer=")
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
         prompts = [p for p in prompts for _ in range(params.n)]
         out: list[Completion] = []
@@ -75,6 +79,8 @@ class HFEngine:
             tokens.append(token_B)
             logprobs.append(logp_BV.gather(1, token_B[:, None]).squeeze(1))
             tokens_done = torch.isin(token_B, stops)
+            if params.stop:
+                tokens_done |= self._stop_strings_hit(tokens, done_B, params.stop)
             finished_now = ~done_B & tokens_done
             done_B = done_B | finished_now
             if bool(done_B.all()):
@@ -89,10 +95,16 @@ class HFEngine:
             )
             past, logits_BV = out.past_key_values, out.logits[:, -1].float()
             next_pos_B1 = next_pos_B1 + 1
-        return self._collect(tokens, logprobs, set(params.stop_token_ids), B)
+        return self._collect(tokens, logprobs, set(params.stop_token_ids), B, params.stop)
 
-    @staticmethod
-    def _collect(tokens, logprobs, stops: set[int], B: int) -> list[Completion]:
+    def _stop_strings_hit(self, tokens: list[torch.Tensor], done_B: torch.Tensor, stop: tuple[str, ...]) -> torch.Tensor:
+        """``[B]`` True where a live row's text so far contains a stop string."""
+        token_BN = torch.stack(tokens, 1).tolist()
+        hit = [not done and any(s in self.tokenizer.decode(row, skip_special_tokens=True) for s in stop)
+               for row, done in zip(token_BN, done_B.tolist())]
+        return torch.tensor(hit, device=self.device)
+
+    def _collect(self, tokens, logprobs, stops: set[int], B: int, stop: tuple[str, ...] = ()) -> list[Completion]:
         token_BN = torch.stack(tokens, 1).tolist()
         logp_BN = torch.stack(logprobs, 1).tolist()
         results = []
@@ -101,7 +113,7 @@ class HFEngine:
             for tok, lp in zip(token_BN[i], logp_BN[i]):
                 ids.append(tok)
                 lps.append(lp)
-                if tok in stops:
+                if tok in stops or (stop and any(s in self.tokenizer.decode(ids, skip_special_tokens=True) for s in stop)):
                     reason = "stop"
                     break
             results.append(Completion(response_ids=ids, logprobs=lps, finish_reason=reason))

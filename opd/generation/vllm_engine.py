@@ -5,7 +5,7 @@ build runs it for real (slowly for tiny models), which is how the tests exercise
 
 - **Generation** takes token ids in and gives token ids out (``TokensPrompt``), with the
   behaviour logprob of each sampled token after temperature (``logprobs_mode=processed_logprobs``),
-  a seed per request, stop tokens, and ``n`` samples per prompt.
+  a seed per request, stop tokens and stop strings, and ``n`` samples per prompt.
 - **Scoring** uses prompt logprobs. vLLM has no branch attention mask, so a packed
   :class:`~opd.generation.base.ScoreRequest` is unpacked into one sequence per branch (the trunk
   before it plus the branch). Those sequences share their prefixes, and vLLM's prefix cache
@@ -105,9 +105,10 @@ class VLLMEngine:
                 max_tokens=params.max_new_tokens,
                 temperature=params.temperature,
                 stop_token_ids=list(params.stop_token_ids),
+                stop=list(params.stop),
                 logprobs=0,
                 seed=params.seed + i,
-                detokenize=False,
+                detokenize=bool(params.stop),  # stop strings are matched on the text
             )
             for i in range(len(prompts))
         ]
@@ -116,7 +117,7 @@ class VLLMEngine:
             for sample in output.outputs:
                 ids = list(sample.token_ids)
                 logprobs = [step[token].logprob for step, token in zip(sample.logprobs, ids)]
-                reason = "stop" if ids and ids[-1] in params.stop_token_ids else "length"
+                reason = "stop" if sample.finish_reason == "stop" else "length"
                 results.append(Completion(response_ids=ids, logprobs=logprobs, finish_reason=reason))
         return results
 

@@ -86,6 +86,32 @@ def test_seeded_generation_is_reproducible(vllm_engine, tokenizer, fmt):
     assert [c.response_ids for c in first] != [c.response_ids for c in other]
 
 
+def _stop_case(tokenizer, ids: list[int]) -> tuple[str, int]:
+    """A printable stop string from the middle of ``ids``' text, and the index of the token
+    that completes it (its first occurrence)."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    for start in range(len(text) - 2):
+        stop = text[start : start + 3]
+        if stop.isascii() and text.index(stop) == start:
+            end = next(k for k in range(len(ids)) if stop in tokenizer.decode(ids[: k + 1], skip_special_tokens=True))
+            if 0 < end < len(ids) - 1:
+                return stop, end
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+def test_stop_strings_end_the_response_at_the_same_token_as_hf(vllm_engine, tokenizer, fmt, tiny_model_dir):
+    hf = HFEngine.from_pretrained(tiny_model_dir)
+    prompt = _prompts(tokenizer, fmt)[0]
+    free = hf.generate([prompt], SamplingParams(max_new_tokens=16, temperature=0.0))[0]
+    stop, end = _stop_case(tokenizer, free.response_ids)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, stop=(stop,))
+    hf_out = hf.generate([prompt], params)[0]
+    vllm_out = vllm_engine.generate([prompt], params)[0]
+    assert hf_out.response_ids == free.response_ids[: end + 1] and hf_out.finish_reason == "stop"
+    assert vllm_out.response_ids == hf_out.response_ids and vllm_out.finish_reason == "stop"
+    assert len(vllm_out.logprobs) == end + 1
+
+
 def test_weight_sync_gives_the_updated_models_logprobs(vllm_engine, tokenizer, fmt, tiny_model_dir):
     """In place, no restart: after the sync vLLM scores like the updated model, not the old one."""
     import time

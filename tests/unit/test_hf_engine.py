@@ -80,3 +80,31 @@ def test_trainer_logprobs_at_the_rollout_temperature_equal_behaviour_logprobs(to
         torch.testing.assert_close(got, torch.tensor(c.logprobs), atol=2e-4, rtol=0)
     assert torch.isfinite(full_BTV).all()
     torch.testing.assert_close(full_BTV[:, 1:].exp().sum(-1), torch.ones_like(full_BTV[:, 1:, 0]), atol=1e-4, rtol=0)
+
+
+def test_stop_strings_end_each_response_at_the_completing_token(tokenizer, tiny_model_dir):
+    engine = HFEngine.from_pretrained(tiny_model_dir)
+    prompts = _prompts(tokenizer) * 4
+    free = engine.generate(prompts, SamplingParams(max_new_tokens=24, seed=3))
+    texts = [tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in free]
+    stop = max({t[i : i + 2] for t in texts for i in range(len(t) - 1)},
+               key=lambda s: sum(s in t for t in texts))  # the commonest pair of characters
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=24, seed=3, stop=(stop,)))
+    stopped = 0
+    for before, after in zip(free, out):
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        # Same seed, same samples up to the stop: the stopped response is a prefix of the free one.
+        assert after.response_ids == before.response_ids[: len(after.response_ids)]
+        assert after.logprobs == before.logprobs[: len(after.logprobs)]
+        if after.finish_reason == "stop":
+            stopped += 1
+            assert stop in decode(after.response_ids) and stop not in decode(after.response_ids[:-1])
+        else:
+            assert stop not in decode(after.response_ids) and len(after.response_ids) == 24
+    assert stopped >= 2
+
+
+def test_stop_strings_need_a_tokenizer(tokenizer, fmt, tiny_model_dir):
+    engine = HFEngine(HFEngine.from_pretrained(tiny_model_dir).model, pad_id=fmt.pad_id)
+    with pytest.raises(ValueError, match="stop strings need the engine's tokenizer"):
+        engine.generate(_prompts(tokenizer), SamplingParams(max_new_tokens=4, stop=("up",)))
