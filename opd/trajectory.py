@@ -72,6 +72,9 @@ class Trajectory:
         end_reason: ``success``, ``failure`` (terminated unsuccessfully), ``truncated`` (turn
             budget), ``context_limit`` or ``env_error`` (the environment raised; see ``error``).
         error: the exception text when ``end_reason == "env_error"``.
+        initial_info: the JSON-safe subset of ``env.reset``'s info (e.g. the expert's action in
+            the first state: turn ``t``'s state has ``turns[t - 1].info``, turn 0's has this).
+        initial_observation: ``env.reset``'s observation (the task), as text.
     """
 
     task: str
@@ -79,6 +82,12 @@ class Trajectory:
     success: bool = False
     end_reason: str = ""
     error: str = ""
+    initial_info: dict[str, Any] = field(default_factory=dict)
+    initial_observation: str = ""
+
+    def state_infos(self) -> list[dict[str, Any]]:
+        """The info of the state each turn acted in: ``[initial_info, turns[0].info, ...]``."""
+        return [self.initial_info, *(t.info for t in self.turns[:-1])][: len(self.turns)]
 
     @property
     def total_reward(self) -> float:
@@ -119,6 +128,11 @@ class TokenBatch:
             ``None``.
         student_logprobs_BTV: float32 the student's log-softmax over the vocabulary, with
             gradient (set by the trainer with ``student_logprobs_BT``).
+        pivot_mask_BT: float32 PivotOPD: 1.0 on the response tokens of a failed episode's
+            pivotal turn (the committed mistake), for ``pivot_preventive``.
+        recovery_mask_BT: float32 PivotOPD: 1.0 on the self-teacher's response tokens in the
+            recovery rows (which have no ``loss_mask_BT`` tokens), for ``pivot_recovery``; the
+            ``teacher_topk_*`` fields of those rows hold the hinted self-teacher's top-k.
         totals: normalisers of the whole optimizer batch, kept by :meth:`select` so a loss on a
             micro-batch is normalised as if it saw the whole batch: ``tokens``, ``turns``,
             ``sequences`` and ``micro_batches`` (see :func:`opd.losses.reduce_tokens`).
@@ -140,6 +154,8 @@ class TokenBatch:
     advantage_B: torch.Tensor | None = None
     weight_BT: torch.Tensor | None = None
     student_logprobs_BTV: torch.Tensor | None = None
+    pivot_mask_BT: torch.Tensor | None = None
+    recovery_mask_BT: torch.Tensor | None = None
     totals: dict[str, float] | None = None
 
     def __len__(self) -> int:
@@ -167,15 +183,65 @@ class TokenBatch:
         return rows_B1 * width + self.turn_index_BT.clamp(min=0)
 
     def with_totals(self, micro_batches: int = 1) -> "TokenBatch":
-        """This batch with :attr:`totals` counted over it (call before splitting into micro-batches)."""
-        mask_BT = self.loss_mask_BT > 0
-        totals = {
+        """This batch with :attr:`totals` counted over it (call before splitting into micro-batches).
+
+        The counts of ``loss_mask_BT`` are ``tokens``, ``turns`` and ``sequences``; those of an
+        extra mask (``pivot_mask_BT``, ``recovery_mask_BT``) are prefixed ``pivot:`` /
+        ``recovery:`` (see :meth:`restricted_to`).
+        """
+        totals = {**self._counts(self.loss_mask_BT), "micro_batches": float(micro_batches)}
+        for prefix, mask_BT in (("pivot", self.pivot_mask_BT), ("recovery", self.recovery_mask_BT)):
+            if mask_BT is not None:
+                totals.update({f"{prefix}:{k}": v for k, v in self._counts(mask_BT).items()})
+        return replace(self, totals=totals)
+
+    def _counts(self, mask_BT: torch.Tensor) -> dict[str, float]:
+        mask_BT = mask_BT > 0
+        return {
             "tokens": float(mask_BT.sum()),
             "turns": float(self.turn_keys_BT()[mask_BT].unique().numel()),
             "sequences": float(mask_BT.any(dim=1).sum()),
-            "micro_batches": float(micro_batches),
         }
-        return replace(self, totals=totals)
+
+    def restricted_to(self, name: str) -> "TokenBatch":
+        """The batch as a loss on the tokens of mask ``name`` (``pivot`` | ``recovery``) sees it:
+        that mask as ``loss_mask_BT``, normalised by that mask's whole-batch counts."""
+        mask_BT = getattr(self, f"{name}_mask_BT")
+        if mask_BT is None:
+            raise ValueError(f"the batch has no {name}_mask_BT; the '{name}' losses belong to algorithm: pivot_opd")
+        totals = None
+        if self.totals is not None:
+            totals = {k: self.totals[f"{name}:{k}"] for k in ("tokens", "turns", "sequences")}
+            totals["micro_batches"] = self.totals["micro_batches"]
+        return replace(self, loss_mask_BT=mask_BT, totals=totals)
+
+    @staticmethod
+    def concat(batches: list["TokenBatch"], pad_id: int) -> "TokenBatch":
+        """The rows of ``batches`` in order, right-padded to the widest. A field one batch lacks
+        is filled as padding (``advantage_B`` with 0); ``totals`` are dropped (recount them)."""
+        width = max(int(b.input_ids_BT.shape[1]) for b in batches)
+        out = {}
+        for f in fields(TokenBatch):
+            values = [getattr(b, f.name) for b in batches]
+            if f.name == "totals" or all(v is None for v in values):
+                out[f.name] = None
+                continue
+            template = next(v for v in values if v is not None)
+            fill = _FILL.get(f.name, 0)
+            if f.name == "input_ids_BT":
+                fill = pad_id
+            parts = []
+            for b, v in zip(batches, values):
+                if f.name.endswith("_B"):
+                    parts.append(v if v is not None else torch.zeros(len(b), dtype=template.dtype))
+                    continue
+                shape = (len(b), width, *template.shape[2:])
+                part = torch.full(shape, fill, dtype=template.dtype)
+                if v is not None:
+                    part[:, : v.shape[1]] = v
+                parts.append(part)
+            out[f.name] = torch.cat(parts)
+        return TokenBatch(**out)
 
     @staticmethod
     def from_rows(rows: list[dict[str, list]], pad_id: int) -> "TokenBatch":
@@ -197,3 +263,7 @@ class TokenBatch:
             teacher_logprobs_BT=pad("teacher_logprobs", 0.0, torch.float32),
             turn_index_BT=pad("turn_index", -1, torch.long),
         )
+
+
+# Padding of each per-token field in :meth:`TokenBatch.concat` (0 unless named here).
+_FILL = {"turn_index_BT": -1, "teacher_topk_logprobs_BTK": float("-inf")}

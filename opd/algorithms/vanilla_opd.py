@@ -45,16 +45,17 @@ def sample_tasks(tasks: list[str], n: int, seed: int, step: int, group_size: int
     return [task for _ in range(n // group_size) for task in [tasks[rng.randrange(len(tasks))]] * group_size]
 
 
-def build_token_batch(trajs: list[Trajectory], scores: list[TokenScores], pad_id: int, fmt,
+def build_token_batch(trajs: list[Trajectory], scores: list[TokenScores] | None, pad_id: int, fmt,
                       group_size: int = 1) -> TokenBatch:
-    """One row per trajectory with the teacher's scores placed on its response tokens, and
-    group-relative advantages of the episodes' returns (groups of ``group_size`` consecutive
-    trajectories, which played the same task)."""
+    """One row per trajectory with the teacher's scores placed on its response tokens (none for
+    ``scores=None``, e.g. GRPO), and group-relative advantages of the episodes' returns (groups
+    of ``group_size`` consecutive trajectories, which played the same task)."""
     rows = [student_sequence(traj, fmt) for traj in trajs]
     # Token n of a trajectory's flat scores sits at the n-th response position of its row.
     index = [[p for start, end in row["response_positions"] for p in range(start, end)] for row in rows]
     batch = TokenBatch.from_rows(rows, pad_id)
     B, T = batch.input_ids_BT.shape
+    scores = scores or []
     for b, (positions, score) in enumerate(zip(index, scores)):
         batch.teacher_logprobs_BT[b, positions] = torch.tensor(score.logprobs)
     if scores and scores[0].topk_ids is not None:
@@ -92,13 +93,8 @@ def train_step(ctx: Any, step: int) -> dict[str, float]:
     sync = sync_weights(workers)
     end = time.perf_counter()
     metrics = {k: v for k, v in train_metrics.items() if not k.startswith("time/")}
+    metrics.update(episode_metrics(trajs, gen))
     metrics.update({
-        "success": success_rate(trajs),
-        "turns_per_episode": sum(len(t.turns) for t in trajs) / len(trajs),
-        "env_errors": float(sum(t.end_reason == "env_error" for t in trajs)),
-        "env_restarts": gen.get("env_restarts", 0.0),
-        "valid_action_rate": _valid_rate(trajs),
-        "tokens_per_s": gen["generated_tokens"] / max(gen["generation_s"], 1e-9),
         "teacher_payload_mb": sum(s.nbytes() for s in scores) / 2**20,
         "time/generation_s": t_gen - start,
         "time/teacher_scoring_s": t_score - t_gen,
@@ -112,6 +108,14 @@ def train_step(ctx: Any, step: int) -> dict[str, float]:
     return metrics
 
 
-def _valid_rate(trajs: list[Trajectory]) -> float:
+def episode_metrics(trajs: list[Trajectory], gen: dict[str, float]) -> dict[str, float]:
+    """What every algorithm logs about a step's episodes and their generation."""
     turns = [turn for t in trajs for turn in t.turns]
-    return sum(bool(turn.info.get("valid_action", False)) for turn in turns) / max(len(turns), 1)
+    return {
+        "success": success_rate(trajs),
+        "turns_per_episode": len(turns) / max(len(trajs), 1),
+        "env_errors": float(sum(t.end_reason == "env_error" for t in trajs)),
+        "env_restarts": gen.get("env_restarts", 0.0),
+        "valid_action_rate": sum(bool(turn.info.get("valid_action", False)) for turn in turns) / max(len(turns), 1),
+        "tokens_per_s": gen["generated_tokens"] / max(gen["generation_s"], 1e-9),
+    }

@@ -26,8 +26,12 @@ class Progress:
             self.live.start()
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
-        status = (f"loss {metrics.get('loss', float('nan')):+.3f} kl {metrics.get('reverse_kl_per_token', float('nan')):.3f} "
-                  f"succ {metrics.get('success', 0.0):.2f} {metrics.get('time/step_s', 0.0):.1f}s/it")
+        status = f"loss {metrics.get('loss', float('nan')):+.3f} "
+        if "reverse_kl_per_token" in metrics:
+            status += f"kl {metrics['reverse_kl_per_token']:.3f} "
+        if "pivot/found_rate" in metrics:
+            status += f"pivots {metrics['pivot/found_rate'] * metrics.get('pivot/failures', 0):.0f} "
+        status += f"succ {metrics.get('success', 0.0):.2f} {metrics.get('time/step_s', 0.0):.1f}s/it"
         if "eval/student_success" in metrics:
             status += f"  eval {metrics['eval/student_success']:.2f}"
         if self.live is not None:

@@ -79,6 +79,7 @@ def run_episodes(
         if isinstance(result, EnvFailure):  # a broken env ends its episode, not the run
             _fail(trajs[i], result)
             continue
+        trajs[i].initial_observation, trajs[i].initial_info = result[0], _safe_info(result[1])
         prompt = first_prompt_ids(fmt, tokenizer, result[0], settings.system_prompt)
         contexts[i] = list(prompt)
         pending.append((i, prompt))

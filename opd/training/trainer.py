@@ -91,6 +91,28 @@ def lr_multiplier(trainer_cfg: Any, total_steps: int):
     return factor
 
 
+def accumulate_metrics(sums: dict[str, float], weights: dict[str, float], metrics: dict[str, float],
+                       micro_tokens: float, gas: int) -> None:
+    """Fold one micro-batch's loss metrics into the step's.
+
+    ``loss/*`` values are already scaled to add up to the batch's loss (over DeepSpeed's ``gas``
+    division); ``*/tokens`` counts add up; every other diagnostic is a token mean, averaged with
+    weight its term's ``tokens`` if it reports them (a loss on its own mask), else the
+    micro-batch's response tokens.
+    """
+    for k, v in metrics.items():
+        if k.startswith("loss/"):
+            sums[k] = sums.get(k, 0.0) + v / gas
+        elif k.endswith("/tokens"):
+            sums[k] = sums.get(k, 0.0) + v
+        else:
+            term = k.split("/", 1)[0]
+            w = metrics.get(f"{term}/tokens", micro_tokens) if "/" in k else micro_tokens
+            w = max(w, 1e-9)  # a micro-batch with no tokens still counts once when none has any
+            sums[k] = sums.get(k, 0.0) + v * w
+            weights[k] = weights.get(k, 0.0) + w
+
+
 class StudentTrainer:
     """Owns the DeepSpeed engine. Plain class; :mod:`opd.runtime.actors` hosts it in Ray."""
 
@@ -135,6 +157,7 @@ class StudentTrainer:
         """One optimizer update over ``batch`` (split into micro-batches)."""
         start = time.perf_counter()
         metrics_sum: dict[str, float] = {}
+        weights: dict[str, float] = {}  # diagnostics averaged over micro-batches, by their token counts
         nonfinite = 0
         n_micro = max(1, math.ceil(len(batch) / self.micro_batch_size))
         # Normalisers of the whole batch: the micro-batch losses then add up to the batch's loss.
@@ -143,7 +166,6 @@ class StudentTrainer:
         # hold any number of rows (per-turn rows, extra recovery rows), not only episodes_per_step.
         gas = self.engine.gradient_accumulation_steps()
         batch = batch.with_totals(micro_batches=gas)
-        tokens = float(batch.loss_mask_BT.sum())
         for m in range(n_micro):
             self.engine.set_gradient_accumulation_boundary(m == n_micro - 1)
             micro = batch.select(slice(m * self.micro_batch_size, (m + 1) * self.micro_batch_size)).to(self.engine.device)
@@ -154,14 +176,11 @@ class StudentTrainer:
                 # Keep the graph so DeepSpeed's accumulation stays in step; contribute no gradient.
                 loss = micro.student_logprobs_BT.sum() * 0.0
             self.engine.backward(loss)
-            # Losses are scaled so they sum to the batch's over micro-batches (see above); the
-            # terms' diagnostics are per-micro-batch token means, weighted here by token share.
-            share = float(micro.loss_mask_BT.sum()) / tokens if tokens > 0 else 1.0 / n_micro
-            for k, v in metrics.items():
-                metrics_sum[k] = metrics_sum.get(k, 0.0) + (v / gas if k.startswith("loss/") else v * share)
+            accumulate_metrics(metrics_sum, weights, metrics, float(micro.loss_mask_BT.sum()), gas)
             metrics_sum["loss"] = metrics_sum.get("loss", 0.0) + float(loss.detach()) / gas
         self.engine.step()
         self.steps += 1
+        metrics_sum.update({k: metrics_sum[k] / w if w > 0 else 0.0 for k, w in weights.items()})
         metrics_sum["nonfinite_loss"] = float(nonfinite > 0)
         metrics_sum["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
         metrics_sum["train_tokens"] = float(batch.loss_mask_BT.sum())
