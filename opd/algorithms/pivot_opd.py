@@ -28,7 +28,7 @@ One step, top to bottom:
 6. **Sync** the weights into the rollout engine.
 
 Departures from the paper: the hint is one line appended to the observation (our wording,
-:func:`hint_text`); the heuristic finders are offered next to the judge because a tiny CPU
+:func:`opd.supervision.pivot.hint_text`); the heuristic finders are offered next to the judge because a tiny CPU
 teacher cannot write judgements.
 """
 
@@ -46,8 +46,8 @@ from opd.algorithms.vanilla_opd import build_token_batch, episode_metrics, sampl
 from opd.chat import next_prompt_ids, render_context
 from opd.generation.base import SamplingParams, ScoreRequest, TokenScores
 from opd.runtime.actors import sync_weights
-from opd.supervision.pivot import (Judgement, PivotStats, judge_prompt_ids, parse_judgement, pivot_by_expert,
-                                   pivot_by_max_kl, pivot_by_min_logprob)
+from opd.supervision.pivot import (Judgement, PivotStats, hint_text, judge_prompt_ids, parse_judgement,
+                                   pivot_by_expert, pivot_by_max_kl, pivot_by_min_logprob)
 from opd.trajectory import TokenBatch, Trajectory
 
 
@@ -61,11 +61,6 @@ class RecoverySample:
     turn: int
     scores: TokenScores
     followed_hint: bool  # the response's action is the hinted recovery action
-
-
-def hint_text(pivot_turn: int, gold_action: str, recovery_action: str) -> str:
-    """The line appended to a recovery turn's observation for the self-teacher."""
-    return f"Hint: at turn {pivot_turn} the right action was {gold_action}. Now do: {recovery_action}"
 
 
 # -- pivot finding ----------------------------------------------------------------------------

@@ -84,6 +84,8 @@ def resolve_model_path(model_cfg: Any, env_cfg: Any, seed: int, log: Callable[[s
     if model_cfg.bootstrap is not None:
         from opd.training.bootstrap import build_bootstrap_model
 
+        if model_cfg.bootstrap.seed is not None:  # pinned: runs with other seeds share the model
+            seed = model_cfg.bootstrap.seed
         return build_bootstrap_model(model_cfg.bootstrap, env_cfg, seed, log)
     return model_cfg.path
 

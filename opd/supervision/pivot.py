@@ -78,6 +78,16 @@ class Judgement:
     recovery_actions: tuple[str, ...]
 
 
+def hint_text(pivot_turn: int, gold_action: str, recovery_action: str) -> str:
+    """The line PivotOPD appends to a recovery turn's observation for the hinted self-teacher.
+
+    Example:
+        >>> hint_text(2, "down", "right")
+        'Hint: at turn 2 the right action was down. Now do: right'
+    """
+    return f"Hint: at turn {pivot_turn} the right action was {gold_action}. Now do: {recovery_action}"
+
+
 def judge_messages(task: str, steps: list[tuple[str, str]], recovery_turns: int) -> str:
     """The user message the judge reads: a failed episode's state-grounded transcript and the
     answer format.
