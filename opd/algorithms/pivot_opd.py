@@ -34,6 +34,7 @@ teacher cannot write judgements.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, replace
@@ -108,10 +109,12 @@ def greedy_actions(worker, contexts: list[list[int]], max_new_tokens: int) -> li
     return out
 
 
-def find_pivots(ctx: Any, trajs: list[Trajectory], scores: list[TokenScores]) -> tuple[dict[int, Judgement], PivotStats]:
-    """A :class:`Judgement` for each failed episode where a pivot was found, keyed by index."""
+def find_pivots(ctx: Any, trajs: list[Trajectory], scores: list[TokenScores],
+                need_hints: bool = True) -> tuple[dict[int, Judgement], PivotStats]:
+    """A :class:`Judgement` for each failed episode where a pivot was found, keyed by index.
+    Without ``need_hints`` (no recovery term) the heuristics name no gold or recovery actions."""
     cfg = ctx.cfg.pivot
-    k = int(cfg.recovery_turns)
+    k = int(cfg.recovery_turns) if need_hints else 0
     failed = [i for i, t in enumerate(trajs) if not t.success and t.turns and t.end_reason != "env_error"]
     stats = PivotStats()
     judged: dict[int, Judgement | None] = {}
@@ -132,7 +135,7 @@ def find_pivots(ctx: Any, trajs: list[Trajectory], scores: list[TokenScores]) ->
         stats.record(pivots.get(i), judge_parsed=(judged[i] is not None) if cfg.finder == "judge" else None,
                      expert_turn=expert_turn)
     # Gold and recovery actions for the pivots the judge did not name.
-    todo = [(i, j) for i, p in pivots.items() if judged.get(i) is None
+    todo = [(i, j) for i, p in pivots.items() if judged.get(i) is None and need_hints
             for j in range(p, min(p + k + 1, len(trajs[i].turns)))]
     if ctx.cfg.pivot.hint_source == "expert":
         actions = [trajs[i].state_infos()[j].get("expert_action") or "" for i, j in todo]
@@ -146,8 +149,11 @@ def find_pivots(ctx: Any, trajs: list[Trajectory], scores: list[TokenScores]) ->
     for i, p in pivots.items():
         if judged.get(i) is not None:
             judgements[i] = judged[i]
+        elif not need_hints:
+            judgements[i] = Judgement(p, "", ())
         elif named.get(i) and named[i][0]:
-            judgements[i] = Judgement(p, named[i][0], tuple(a for a in named[i][1:] if a))
+            # Recovery actions stay aligned with their turns: stop at the first state with none.
+            judgements[i] = Judgement(p, named[i][0], tuple(itertools.takewhile(bool, named[i][1:])))
     return judgements, stats
 
 
@@ -221,11 +227,12 @@ def train_step(ctx: Any, step: int) -> dict[str, float]:
     t_gen = time.perf_counter()
     scores = ray.get(workers.teacher.score.remote(trajs, cfg.supervision))
     t_score = time.perf_counter()
-    judgements, stats = find_pivots(ctx, trajs, scores)
+    recovery = any(loss.name == "pivot_recovery" for loss in cfg.losses)
+    judgements, stats = find_pivots(ctx, trajs, scores, need_hints=recovery)
     t_pivot = time.perf_counter()
 
     requests = []
-    if any(loss.name == "pivot_recovery" for loss in cfg.losses):
+    if recovery:
         for i, jd in judgements.items():
             for offset, action in enumerate(jd.recovery_actions[: cfg.pivot.recovery_turns], start=1):
                 if jd.pivot_turn + offset < len(trajs[i].turns):
