@@ -26,7 +26,7 @@ VARIANTS = {
     "GRPO + preventive": ["losses=[{name: ppo_clip}, {name: pivot_preventive, weight: 1.0}]"],
     "PivotOPD": [],  # the recipe: ppo_clip + pivot_preventive + pivot_recovery
 }
-PIVOT_KEYS = ("pivot/failures", "pivot/found_rate", "pivot/mean_turn", "pivot/expert_agreement",
+PIVOT_KEYS = ("pivot/failures", "pivot/judged", "pivot/found_rate", "pivot/mean_turn", "pivot/expert_agreement",
               "pivot/judge_parse_failure_rate", "pivot/recovery_rows", "pivot/hint_followed")
 
 
@@ -50,6 +50,8 @@ def _read(variant: str, seed: int, run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "time/step_s" in r]
     pivot = {k: statistics.fmean(r[k] for r in steps) for k in PIVOT_KEYS if steps and k in steps[0]}
+    if "pivot/failures" in pivot:
+        pivot.setdefault("pivot/judged", 0.0)  # runs logged before that metric existed asked no judge
     return {"variant": variant, "seed": seed, "before": summary["student_success_before"],
             "after": summary["student_success_after"], "teacher": summary["teacher_success"],
             "train_time_s": summary["train_time_s"], "train_success_last10": statistics.fmean(r["success"] for r in steps[-10:]),
@@ -76,8 +78,10 @@ def table(results: list[dict]) -> str:
         rows = [r for r in results if r["variant"] == variant and "pivot/failures" in r]
         if rows:
             mean = {k: statistics.fmean(r[k] for r in rows) for k in PIVOT_KEYS}
+            judged = any(r.get("pivot/judged", 0) > 0 for r in rows)
+            parse = f"{mean['pivot/judge_parse_failure_rate']:.2f}" if judged else "n/a (no judge)"
             lines.append(f"| {variant} | {mean['pivot/failures']:.1f} | {mean['pivot/found_rate']:.2f} | {mean['pivot/mean_turn']:.2f} | "
-                         f"{mean['pivot/expert_agreement']:.2f} | {mean['pivot/judge_parse_failure_rate']:.2f} | "
+                         f"{mean['pivot/expert_agreement']:.2f} | {parse} | "
                          f"{mean['pivot/recovery_rows']:.1f} | {mean['pivot/hint_followed']:.2f} |")
     return "\n".join(lines) + "\n"
 

@@ -257,6 +257,7 @@ def train_step(ctx: Any, step: int) -> dict[str, float]:
     metrics.update(stats.as_metrics())
     metrics.update({
         "pivot/failures": float(stats.failures),
+        "pivot/judged": float(stats.judged),
         "pivot/recovery_rows": float(len(samples)),
         "pivot/hint_followed": sum(s.followed_hint for s in samples) / max(len(samples), 1),
         "time/generation_s": t_gen - start,
