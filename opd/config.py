@@ -409,6 +409,10 @@ def _validate_algorithm(cfg: Any, source: str) -> None:
     pivot_terms = [n for n in names if n.startswith("pivot_")]
     if pivot_terms and cfg.algorithm != "pivot_opd":
         raise ConfigError(f"{source}: key 'losses' names {pivot_terms}, which only algorithm 'pivot_opd' feeds.")
+    if cfg.algorithm == "actfirst_opd" and (cfg.supervision.teacher_view != "state_grounded" or cfg.supervision.cross_tokenizer):
+        raise ConfigError(f"{source}: algorithm 'actfirst_opd' needs 'supervision.teacher_view: state_grounded' without "
+                          "cross_tokenizer: its full responses were sampled from the state-grounded context (the "
+                          "executed fast actions), so that is the only view that grades them in-distribution.")
     if cfg.algorithm == "pivot_opd" and (cfg.supervision.scoring != "sampled" or cfg.supervision.cross_tokenizer):
         raise ConfigError(f"{source}: algorithm 'pivot_opd' needs 'supervision.scoring: sampled' without "
                           "cross_tokenizer (the top-k fields carry the self-teacher's recovery targets).")

@@ -169,6 +169,14 @@ class TokenBatch:
         """The rows ``rows`` of every tensor (a micro-batch)."""
         return self._map(lambda t: t[rows])
 
+    def select_rows(self, index: torch.Tensor) -> "TokenBatch":
+        """The rows ``index`` (int64 ``[N]``) of every tensor, in that order."""
+        return self._map(lambda t: t[index.to(t.device)])
+
+    def narrow(self, width: int) -> "TokenBatch":
+        """Every per-token tensor cut to its first ``width`` positions (drop shared padding)."""
+        return self._map(lambda t: t[:, :width] if t.dim() >= 2 else t)
+
     def to(self, device) -> "TokenBatch":
         """Every tensor moved to ``device``."""
         return self._map(lambda t: t.to(device))

@@ -10,6 +10,19 @@ tokenizer is trained on the environment's own text, then
 Both share the one tokenizer, so the teacher can score the student's tokens. Built models live
 under ``bootstrap.cache_dir/<hash>/`` and are reused by every later run with the same settings.
 
+For ActFirst (``docs/actfirst.md``) two options shape the SFT targets:
+
+- ``think: plan`` puts a ``<think> ... </think>`` block before each action: a state summary (the
+  observation's last line) and a plan naming the move (:func:`plan_text`), so a full response
+  is many times longer than its action, as a reasoning model's is.
+- ``action_only_prob: p`` also trains a share ``p`` of the turns in ActFirst's layouts, each as
+  its own row whose context holds the executed actions and observations only: the two
+  action-only prompts (:func:`opd.rollout.actfirst.action_only_prompt_ids`; with the reference
+  next observation, the one the move led to, or without) and, with ``think``, the standard
+  prompt answered with the full response (where ActFirst's full requests are made).
+
+Their defaults leave the targets, and the cache keys of models built before them, unchanged.
+
 Example:
     >>> path = build_bootstrap_model(cfg.teacher.bootstrap, cfg.env, seed=0)  # doctest: +SKIP
 """
@@ -119,14 +132,40 @@ def resolve_tokenizer(boot: Any, env_cfg: Any, cache_root: Path):
     return load_tokenizer(boot.tokenizer)
 
 
-def _sft_row(steps: list[tuple[str, str, bool]], task: str, tokenizer, fmt: ChatFormat) -> dict[str, list]:
+def plan_text(observation: str, action: str) -> str:
+    """The reasoning of a ``think: plan`` target: the state (the observation's last line, e.g.
+    FrozenLake's ``Around you: ...``) and a plan naming the move.
+
+    Example:
+        >>> plan_text("A F\\nAround you: left wall, down F.", "down")
+        'State: Around you: left wall, down F. Plan: down.'
+    """
+    lines = [line.strip() for line in observation.strip().splitlines() if line.strip()]
+    state = lines[-1] if lines else ""
+    return f"State: {state} Plan: {action}."
+
+
+def _response_ids(obs: str, action: str, tokenizer, fmt: ChatFormat, think: str) -> tuple[list[int], int]:
+    """The SFT target of one turn and where its action starts (after ``</think>`` with a plan)."""
+    action_ids = tokenizer.encode(action, add_special_tokens=False) + [fmt.im_end_id]
+    if not think:
+        return action_ids, 0
+    think_start = tokenizer.get_vocab().get("<think>")
+    if think_start is None or fmt.think_end_id is None:
+        raise ValueError("key 'bootstrap.think' is 'plan' but the tokenizer has no <think> / </think> tokens; "
+                         "use the trained tokenizer (bootstrap.tokenizer: \"\") or one that has them.")
+    block = [think_start, *tokenizer.encode(" " + plan_text(obs, action) + " ", add_special_tokens=False), fmt.think_end_id]
+    return block + action_ids, len(block)
+
+
+def _sft_row(steps: list[tuple[str, str, bool]], task: str, tokenizer, fmt: ChatFormat, think: str = "") -> dict[str, list]:
     """One SFT sequence; turns not to be trained on (exploration) get no loss."""
     traj = Trajectory(task=task)
     for k, (obs, action, _) in enumerate(steps[:-1]):
         prompt = first_prompt_ids(fmt, tokenizer, obs) if k == 0 else next_prompt_ids(fmt, tokenizer, obs)
-        response = tokenizer.encode(action, add_special_tokens=False) + [fmt.im_end_id]
+        response, start = _response_ids(obs, action, tokenizer, fmt, think)
         traj.turns.append(Turn(prompt_ids=prompt, response_ids=response, response_logprobs=[0.0] * len(response),
-                               action_start=0, action_end=len(response) - 1, action_text=action))
+                               action_start=start, action_end=len(response) - 1, action_text=action))
     row = student_sequence(traj, fmt)
     for (start, end), (_, _, train_on) in zip(row["response_positions"], steps):
         if not train_on:
@@ -134,15 +173,64 @@ def _sft_row(steps: list[tuple[str, str, bool]], task: str, tokenizer, fmt: Chat
     return row
 
 
+def _actfirst_rows(steps: list[tuple[str, str, bool]], tokenizer, fmt: ChatFormat, prob: float, think: str,
+                   rng: random.Random) -> list[dict[str, list]]:
+    """Rows in ActFirst's layouts for a share ``prob`` of the turns of one episode.
+
+    The context of turn k is state-grounded (``prompt_0 a_0 close ... ``: executed actions and
+    observations only, as in every ActFirst prompt), its last message one of:
+
+    - the action-only prompt with the next observation the move led to (inverse dynamics:
+      right for exploratory moves too, since it names the move that explains the transition);
+    - the action-only prompt without it (autonomous), for a move the policy chose (``train_on``);
+    - with ``think``, the standard prompt, whose target is the full think-then-act response:
+      ActFirst's full requests come in this state-grounded context, not after the student's
+      own reasoning as in the SFT sequence.
+
+    Action-only targets are the action and the end token.
+    """
+    from opd.rollout.actfirst import action_only_prompt_ids
+
+    formats = ("reference", "autonomous", "standard") if think else ("reference", "autonomous")
+    rows = []
+    history: list[int] = []
+    for k, (obs, action, train_on) in enumerate(steps[:-1]):
+        action_ids = tokenizer.encode(action, add_special_tokens=False)
+        standard = first_prompt_ids(fmt, tokenizer, obs) if k == 0 else next_prompt_ids(fmt, tokenizer, obs)
+        if rng.random() < prob:
+            layout = rng.choice(formats) if train_on else "reference"
+            if layout == "standard":
+                prompt, target = history + standard, _response_ids(obs, action, tokenizer, fmt, think)[0]
+            else:
+                reference_next = steps[k + 1][0] if layout == "reference" else None
+                prompt = history + action_only_prompt_ids(fmt, tokenizer, obs, reference_next)
+                target = action_ids + [fmt.im_end_id]
+            ids = prompt + target
+            rows.append({"input_ids": ids, "attention_mask": [1] * len(ids),
+                         "loss_mask": [0.0] * len(prompt) + [1.0] * len(target),
+                         "behaviour_logprobs": [0.0] * len(ids), "turn_index": [-1] * len(prompt) + [k] * len(target)})
+        history = history + standard + action_ids + [fmt.im_end_id, *fmt.newline_ids]
+    return rows
+
+
+def bootstrap_key(boot: Any, env_cfg: Any, seed: int) -> str:
+    """The content hash that names a bootstrapped model's cache directory."""
+    # Options at their defaults stay out of the key (an unset tokenizer, the default corpus, no
+    # think block, no action-only turns), so models built before those options keep their key.
+    settings = {k: v for k, v in _plain(boot).items() if k != "cache_dir" and not (k == "tokenizer" and not v)
+                and not (k == "corpus_episodes" and v == TOKENIZER_CORPUS_EPISODES)
+                and not (k == "think" and not v) and not (k == "action_only_prob" and not v)
+                and not (k == "hint_prob" and not v) and k != "seed"}  # the seed is the argument
+    if boot.action_only_prob:
+        settings["actfirst_layouts"] = 2  # the standard prompt joined the layouts: new targets, new key
+    return _digest({"v": CACHE_VERSION, "boot": settings, "env": env_cfg.id,
+                    "kwargs": _plain(env_cfg.kwargs), "split": env_cfg.train_split, "seed": seed})
+
+
 def build_bootstrap_model(boot: Any, env_cfg: Any, seed: int, log: Callable[[str], None] = print) -> str:
     """Return the directory of the model ``boot`` describes, building it on first use."""
     cache_root = Path(os.path.expanduser(boot.cache_dir))
-    # An unset tokenizer stays out of the key, so models built before that option keep their key.
-    settings = {k: v for k, v in _plain(boot).items() if k != "cache_dir" and not (k == "tokenizer" and not v)
-                and not (k == "corpus_episodes" and v == TOKENIZER_CORPUS_EPISODES)}
-    key = _digest({"v": CACHE_VERSION, "boot": settings, "env": env_cfg.id,
-                   "kwargs": _plain(env_cfg.kwargs), "split": env_cfg.train_split, "seed": seed})
-    directory = cache_root / f"{boot.policy}-{key}"
+    directory = cache_root / f"{boot.policy}-{bootstrap_key(boot, env_cfg, seed)}"
     if (directory / "model.safetensors").is_file():
         return str(directory)
     tokenizer = resolve_tokenizer(boot, env_cfg, cache_root)
@@ -152,14 +240,19 @@ def build_bootstrap_model(boot: Any, env_cfg: Any, seed: int, log: Callable[[str
     rng = random.Random(seed)
     choose = _policy(boot.policy, rng)
     rows = []
+    action_only_rng = random.Random(f"{seed}:action_only")  # its own stream: the episodes stay as before
     for i in range(boot.n_episodes):
         task = tasks[i % len(tasks)]
         steps = scripted_episode(env, task, choose, seed=i, explore_prob=boot.explore_prob, rng=rng)
-        rows.append(_sft_row(steps, task, tokenizer, fmt))
+        rows.append(_sft_row(steps, task, tokenizer, fmt, boot.think))
+        if boot.action_only_prob > 0:
+            rows += _actfirst_rows(steps, tokenizer, fmt, boot.action_only_prob, boot.think, action_only_rng)
+        if boot.hint_prob > 0:
+            rows += hint_rows(steps, tokenizer, fmt, boot.hint_prob, random.Random(f"{seed}:hint:{i}"), boot.think)
     env.close()
     model = tiny_qwen3(tokenizer, boot.arch, seed=seed).train()
     log(f"bootstrap: SFT of a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter model on "
-        f"{len(rows)} {boot.policy} episodes for {boot.sft_steps} steps (cached in {directory})")
+        f"{boot.n_episodes} {boot.policy} episodes ({len(rows)} sequences) for {boot.sft_steps} steps (cached in {directory})")
     sft(model, rows, fmt.pad_id, boot, seed, log)
     save_directory_atomically(directory, lambda d: save_model(model.eval(), tokenizer, d))
     return str(directory)
@@ -187,3 +280,28 @@ def sft(model, rows: list[dict], pad_id: int, boot: Any, seed: int, log: Callabl
         schedule.step()
         if (step + 1) % max(1, boot.sft_steps // 5) == 0:
             log(f"bootstrap: step {step + 1}/{boot.sft_steps} loss {loss.item():.4f}")
+
+
+def hint_rows(steps: list[tuple[str, str, bool]], tokenizer, fmt: ChatFormat, prob: float, rng: random.Random,
+              think: str = "") -> list[dict[str, list]]:
+    """PivotOPD's hinted turns for a share ``prob`` of one episode's turns (after the first).
+
+    A real instruct model reads a hint; a tiny one learns to here. The row is the episode up to
+    turn ``k`` with the hint line (:func:`opd.supervision.pivot.hint_text`, naming an earlier
+    turn's action as the gold one and turn ``k``'s as the one to play now) appended to turn
+    ``k``'s observation; only turn ``k``'s response is trained on.
+    """
+    from opd.supervision.pivot import hint_text
+
+    rows = []
+    for k in range(1, len(steps) - 1):
+        obs, action, train_on = steps[k]
+        if not train_on or rng.random() >= prob:
+            continue
+        pivot = rng.randrange(k)
+        hinted = [*steps[:k], (f"{obs}\n{hint_text(pivot, steps[pivot][1], action)}", action, True), ("", "", False)]
+        row = _sft_row(hinted, "", tokenizer, fmt, think)
+        start, end = row["response_positions"][k]
+        row["loss_mask"] = [1.0 if start <= p < end else 0.0 for p in range(len(row["loss_mask"]))]
+        rows.append(row)
+    return rows

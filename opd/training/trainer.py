@@ -166,9 +166,15 @@ class StudentTrainer:
         # hold any number of rows (per-turn rows, extra recovery rows), not only episodes_per_step.
         gas = self.engine.gradient_accumulation_steps()
         batch = batch.with_totals(micro_batches=gas)
+        # Longest rows first, each micro-batch cut to its own longest row: per-turn rows of very
+        # different lengths (ActFirst) then pad only against their neighbours. The gradient is
+        # unchanged (every loss is normalised over the whole batch, see above).
+        lengths = batch.attention_mask_BT.sum(1)
+        batch = batch.select_rows(torch.argsort(lengths, descending=True, stable=True))
         for m in range(n_micro):
             self.engine.set_gradient_accumulation_boundary(m == n_micro - 1)
-            micro = batch.select(slice(m * self.micro_batch_size, (m + 1) * self.micro_batch_size)).to(self.engine.device)
+            micro = batch.select(slice(m * self.micro_batch_size, (m + 1) * self.micro_batch_size))
+            micro = micro.narrow(int(micro.attention_mask_BT.sum(1).max())).to(self.engine.device)
             micro = micro.with_student(*student_logprobs(self.engine, micro, self.temperature))
             loss, metrics = combined_loss(micro, self.loss_terms)
             if not torch.isfinite(loss):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,15 @@ def test_engine_auto_is_hf_on_cpu_and_vllm_for_a_role_on_a_gpu(tmp_path):
     assert "engine" not in gpu.student and "engine" not in gpu.teacher
     assert resolve_engine("auto", gpu.resources.rollout_gpus) == "vllm"
     assert resolve_engine("auto", gpu.resources.teacher_gpus) == "vllm"
+
+
+@pytest.mark.parametrize("algorithm,overrides,message", [
+    ("actfirst_opd", ["supervision.teacher_view=full"], "needs 'supervision.teacher_view: state_grounded'"),
+    ("pivot_opd", ["rollout.group_size=1"], "needs groups of 2 or more"),
+    ("pivot_opd", ["rollout.group_size=4", "supervision.scoring=topk"], "needs 'supervision.scoring: sampled'"),
+    ("grpo", ["rollout.group_size=4"], "need the teacher's grades"),
+    ("vanilla_opd", ["losses=[{name: pivot_preventive}]"], "only algorithm 'pivot_opd' feeds"),
+])
+def test_an_algorithm_refuses_a_recipe_it_cannot_run(tmp_path, algorithm, overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(ROOT / "recipes" / "quickstart.yaml", [f"algorithm={algorithm}", *overrides])

@@ -1,0 +1,141 @@
+"""Vanilla OPD against ActFirst-OPD: same recipe, models, tasks, seeds and number of updates,
+one after the other in one process.
+
+    .venv/bin/python bench/actfirst_vs_vanilla.py                       # FrozenLake 6x6, T >= 10
+    .venv/bin/python bench/actfirst_vs_vanilla.py --steps 10 --out runs/bench_af rollout.episodes_per_step=32
+
+The recipe (``recipes/actfirst_frozenlake.yaml`` by default) has students that think before
+they act (``bootstrap.think: plan``: a full response is about 17x an action's tokens) and
+episodes of 10+ turns. Both runs use it unchanged except ``algorithm``; the references are
+built first, outside the timed steps (a one-off cost, reported apart).
+
+Reported, in ``<out>/actfirst_vs_vanilla.json`` and ``.md``:
+
+- the wall-clock ratio of the training steps (vanilla / ActFirst; the evaluations are not in it);
+- the rollout (generation) ratio, against ActFirst's idealised bound
+  ``S_ideal(T) = T * l_full / ((T - 1) * l_fast + l_full)`` from its own measured latencies;
+- held-out success (greedy think-then-act, no reference) before and after training, each run;
+- each run's time split per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "time/step_s" in r]
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if key in r]
+    return statistics.fmean(values) if values else float("nan")
+
+
+def run(recipe: str, algorithm: str, out: Path, steps: int, overrides: list[str], console) -> dict:
+    """Train ``recipe`` with ``algorithm`` for ``steps`` updates; the run's summary and means."""
+    import ray
+
+    from opd.config import load_config
+    from opd.runtime.driver import train
+
+    cfg = load_config(recipe, [f"algorithm={algorithm}", f"run.output_dir={out / algorithm}",
+                               f"run.total_steps={steps}", *overrides])
+    summary = train(cfg, console=console)
+    ray.shutdown()  # the next run starts its own actors on a fresh local Ray
+    rows = _steps(out / algorithm)
+    keys = ("time/step_s", "time/generation_s", "time/teacher_scoring_s", "time/training_s", "time/weight_sync_s",
+            "turns_per_episode", "success", "actfirst/s_ideal", "latency/fast_s", "latency/full_s",
+            "actfirst/alignment_rate", "actfirst/first_deviation_turn", "time/critical_path_s", "time/full_drain_s",
+            "train_rows", "train_tokens")
+    return {"algorithm": algorithm, "summary": summary, "per_step": {k: _mean(rows, k) for k in keys},
+            "steps": len(rows), "train_time_s": sum(r["time/step_s"] for r in rows)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default=str(ROOT / "recipes" / "actfirst_frozenlake.yaml"))
+    parser.add_argument("--steps", type=int, default=10, help="updates per algorithm")
+    parser.add_argument("--out", default="runs/bench_actfirst_vs_vanilla")
+    parser.add_argument("overrides", nargs="*", help="key=value for both runs, e.g. rollout.episodes_per_step=32")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from rich.console import Console
+
+    from opd.cli import _quiet_libraries
+    from opd.config import load_config
+    from opd.rollout.references import build_references
+
+    _quiet_libraries()
+    console = Console(highlight=False)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"{out} is not empty: pass --out to a new directory")
+    start = time.perf_counter()
+    build_references(load_config(args.recipe, ["algorithm=actfirst_opd", *args.overrides]), log=console.log)
+    references_s = time.perf_counter() - start
+    vanilla = run(args.recipe, "vanilla_opd", out, args.steps, args.overrides, console)
+    actfirst = run(args.recipe, "actfirst_opd", out, args.steps, args.overrides, console)
+    v, a = vanilla["per_step"], actfirst["per_step"]
+    result = {
+        "recipe": args.recipe, "overrides": args.overrides, "steps": args.steps, "references_build_s": references_s,
+        "wall_clock_ratio": vanilla["train_time_s"] / actfirst["train_time_s"],
+        "rollout_ratio": v["time/generation_s"] / a["time/generation_s"],
+        "s_ideal": a["actfirst/s_ideal"],
+        "vanilla": vanilla, "actfirst": actfirst,
+    }
+    (out / "actfirst_vs_vanilla.json").write_text(json.dumps(result, indent=2, default=str))
+    table = markdown(result)
+    (out / "actfirst_vs_vanilla.md").write_text(table)
+    console.print(table)
+    return result
+
+
+def markdown(result: dict) -> str:
+    v, a = result["vanilla"], result["actfirst"]
+    vs, as_ = v["per_step"], a["per_step"]
+
+    def success(run: dict, key: str) -> str:
+        value = run["summary"].get(key)
+        return "n/a" if value is None else f"{100 * value:.0f}%"
+
+    lines = [
+        f"Vanilla OPD vs ActFirst-OPD, {result['steps']} updates each ({result['recipe']}"
+        + (f", {' '.join(result['overrides'])}" if result["overrides"] else "") + ")",
+        "",
+        "| | vanilla OPD | ActFirst-OPD |",
+        "|---|---|---|",
+        f"| training wall clock (s) | {v['train_time_s']:.1f} | {a['train_time_s']:.1f} |",
+        f"| per step: generation / scoring / training / sync (s) | {vs['time/generation_s']:.2f} / "
+        f"{vs['time/teacher_scoring_s']:.2f} / {vs['time/training_s']:.2f} / {vs['time/weight_sync_s']:.3f} | "
+        f"{as_['time/generation_s']:.2f} / {as_['time/teacher_scoring_s']:.2f} / {as_['time/training_s']:.2f} / "
+        f"{as_['time/weight_sync_s']:.3f} |",
+        f"| turns per episode (T) | {vs['turns_per_episode']:.1f} | {as_['turns_per_episode']:.1f} |",
+        f"| training rows / trained tokens per step | one per episode / {vs['train_tokens']:.0f} | "
+        f"one per turn ({as_['train_rows']:.0f}) / {as_['train_tokens']:.0f} |",
+        f"| held-out success before -> after | {success(v, 'student_success_before')} -> {success(v, 'student_success_after')} | "
+        f"{success(a, 'student_success_before')} -> {success(a, 'student_success_after')} |",
+        f"| teacher held-out success | {success(v, 'teacher_success')} | {success(a, 'teacher_success')} |",
+        "",
+        f"- **wall-clock ratio** (vanilla / ActFirst, training steps): **{result['wall_clock_ratio']:.2f}x**",
+        f"- rollout ratio (generation time per step): {result['rollout_ratio']:.2f}x; "
+        f"S_ideal(T={as_['turns_per_episode']:.1f}) = {result['s_ideal']:.2f} "
+        f"(l_fast {as_['latency/fast_s'] * 1000:.0f} ms, l_full {as_['latency/full_s'] * 1000:.0f} ms per engine call)",
+        f"- ActFirst rollout: critical path {as_['time/critical_path_s']:.2f} s + full-response drain "
+        f"{as_['time/full_drain_s']:.2f} s per step; alignment rate {as_['actfirst/alignment_rate']:.2f}, "
+        f"first deviation at turn {as_['actfirst/first_deviation_turn']:.1f} on average",
+        f"- references built once beforehand in {result['references_build_s']:.1f} s (not in the timed steps)",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""ActFirst's episode loop, its prompts, transition checks, metrics, training rows and the
+bootstrap targets it relies on.
+
+Everything is real: FrozenLake's gymnasium engine, a trained BPE tokenizer and a tiny Qwen3 in
+the HF engine. The only test-specific pieces are two FrozenLake subclasses that define
+``transition_matches`` (registered here under test ids) and an HF engine subclass that also
+keeps the prompts it was given.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import gymnasium
+import pytest
+import torch
+
+from environments.frozenlake import FrozenLakeTextEnv
+from opd.chat import render_context
+from opd.envs import EnvFactory
+from opd.generation.base import SamplingParams
+from opd.generation.hf import HFEngine
+from opd.models import load_model
+from opd.rollout.actfirst import (ACTION_ONLY_INSTRUCTION, REFERENCE_HEADER, ActFirstSettings, ActFirstStats,
+                                  TransitionCheck, action_only_prompt_ids, exact_match, run_actfirst_episodes, s_ideal)
+from opd.rollout.references import Reference, expert_reference
+from opd.rollout.vanilla import EpisodeSettings
+
+KWARGS = {"n_train_tasks": 40, "n_eval_tasks": 10, "max_turns": 5}
+FULL_BUDGET, FAST_BUDGET = 12, 3
+
+
+class AnyTransitionLake(FrozenLakeTextEnv):
+    """FrozenLake whose transition check accepts every observation except a reference reading
+    ``DEVIATE``: a test can place the first failed check at the turn it wants."""
+
+    @staticmethod
+    def transition_matches(observation: str, reference: str) -> bool:
+        return reference != "DEVIATE"
+
+
+for _id, _cls in (("opd-test/AnyTransitionLake-v0", AnyTransitionLake),):
+    if _id not in gymnasium.registry:
+        gymnasium.register(id=_id, entry_point=_cls)
+
+
+class RecordingEngine(HFEngine):
+    """The real HF engine, also keeping every (prompt, max_new_tokens) it was asked for."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[list[int], int]] = []
+        self._lock = threading.Lock()
+
+    def generate(self, prompts, params):
+        with self._lock:
+            self.calls += [(list(p), params.max_new_tokens) for p in prompts]
+        return super().generate(prompts, params)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, fmt):
+    return RecordingEngine(load_model(tiny_model_dir), pad_id=fmt.pad_id)
+
+
+def _settings(**kwargs) -> ActFirstSettings:
+    return ActFirstSettings(episode=EpisodeSettings(max_new_tokens=FULL_BUDGET, temperature=1.0),
+                            action_max_new_tokens=FAST_BUDGET, **kwargs)
+
+
+def _tasks(n: int = 4) -> list[str]:
+    return FrozenLakeTextEnv(**KWARGS).task_ids("train")[:n]
+
+
+def test_action_only_prompt_shows_the_reference_then_the_instruction(tokenizer, fmt):
+    obs, ref = "A F\nH G\nAround you: left wall.", "S A\nH G"
+    with_ref = tokenizer.decode(action_only_prompt_ids(fmt, tokenizer, obs, ref))
+    assert with_ref == (f"<|im_start|>user\n{obs}\n{REFERENCE_HEADER}\n{ref}\n{ACTION_ONLY_INSTRUCTION}<|im_end|>\n"
+                        "<|im_start|>assistant\n")
+    autonomous = tokenizer.decode(action_only_prompt_ids(fmt, tokenizer, obs, None))
+    assert autonomous == f"<|im_start|>user\n{obs}\n{ACTION_ONLY_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+    # The observation's ids are those of the standard prompt (encoded on their own).
+    observation_ids = tokenizer.encode(obs, add_special_tokens=False)
+    prompt = action_only_prompt_ids(fmt, tokenizer, obs, ref)
+    header = 1 + len(fmt.role_ids["user"])
+    assert prompt[header : header + len(observation_ids)] == observation_ids
+
+
+def test_exact_match_normalises_case_and_whitespace():
+    assert exact_match("S  A\nH G\n", "s a h g")
+    assert not exact_match("S A\nH G", "S F\nH G")
+
+
+def test_comparator_is_looked_up_from_the_registered_entry_point():
+    assert TransitionCheck("env", "opd-test/AnyTransitionLake-v0").resolve() is AnyTransitionLake.transition_matches
+    assert TransitionCheck("exact", "opd/FrozenLakeText-v0").resolve() is exact_match
+    with pytest.raises(ValueError, match="actfirst.transition_check.*FrozenLakeTextEnv.*transition_matches"):
+        TransitionCheck("env", "opd/FrozenLakeText-v0").resolve()  # a string entry point, imported
+
+
+def test_concurrent_generate_calls_on_one_hf_engine_equal_serial_ones(tiny_model_dir, fmt):
+    engine = HFEngine(load_model(tiny_model_dir), pad_id=fmt.pad_id)
+    prompts_a = [[fmt.im_start_id, 5 + i, 9, 12] for i in range(6)]
+    prompts_b = [[fmt.im_start_id, 40 + i] * 3 for i in range(3)]
+    long = SamplingParams(max_new_tokens=24, temperature=1.0, seed=3)
+    short = SamplingParams(max_new_tokens=4, temperature=0.0, seed=1)
+    serial = (engine.generate(prompts_a, long), [engine.generate(prompts_b, short) for _ in range(5)])
+    out: dict[str, object] = {}
+    thread = threading.Thread(target=lambda: out.setdefault("a", engine.generate(prompts_a, long)))
+    thread.start()
+    out["b"] = [engine.generate(prompts_b, short) for _ in range(5)]
+    thread.join()
+    assert [c.response_ids for c in out["a"]] == [c.response_ids for c in serial[0]]
+    assert [lp for c in out["a"] for lp in c.logprobs] == pytest.approx([lp for c in serial[0] for lp in c.logprobs])
+    assert [[c.response_ids for c in call] for call in out["b"]] == [[c.response_ids for c in call] for call in serial[1]]
+
+
+def test_first_failed_check_switches_the_episode_to_autonomous_prompts(engine, tokenizer, fmt):
+    tasks = _tasks(3)
+    # Checks pass at turns 0-1 and fail at turn 2 (task 0); fail at once (task 1); task 2 has none.
+    refs = {tasks[0]: Reference(tasks[0], ("a",) * 5, ("x", "x", "DEVIATE", "x", "x")),
+            tasks[1]: Reference(tasks[1], ("a",) * 5, ("DEVIATE", "x", "x", "x", "x"))}
+    engine.calls.clear()
+    factory = EnvFactory("opd-test/AnyTransitionLake-v0", KWARGS)
+    trajs, stats = run_actfirst_episodes(engine, factory, tasks, refs, tokenizer, fmt,
+                                         _settings(check=TransitionCheck("env", "opd-test/AnyTransitionLake-v0")), seed=0)
+    n0, n1, n2 = (len(t.turns) for t in trajs)
+    assert n0 >= 4, "tiny random students rarely end a 5-turn lake early; pick other tasks if this trips"
+    assert stats.modes[0] == ["reference"] * 3 + ["autonomous"] * (n0 - 3)
+    assert stats.matches[0][:3] == [True, True, False] and stats.first_deviation[0] == 2
+    assert stats.modes[1] == ["reference"] + ["autonomous"] * (n1 - 1) and stats.first_deviation[1] == 0
+    assert stats.modes[2] == ["autonomous"] * n2 and stats.has_reference == [True, True, False]
+    assert [t.info["actfirst_mode"] for t in trajs[0].turns] == stats.modes[0]
+    # The fast prompts carry o_ref(t+1) exactly on the reference turns.
+    fast = [tokenizer.decode(p) for p, budget in engine.calls if budget == FAST_BUDGET]
+    assert sum(REFERENCE_HEADER in text for text in fast) == 3 + 1
+    assert sum("DEVIATE" in text for text in fast) == 2
+    metrics = stats.metrics()
+    assert metrics["actfirst/alignment_rate_turn_0"] == 0.5 and metrics["actfirst/alignment_rate_turn_1"] == 0.5
+    assert metrics["actfirst/alignment_rate_turn_2"] == 0.0
+    assert metrics["actfirst/first_deviation_turn"] == 1.0 and metrics["actfirst/deviated_share"] == 1.0
+
+
+def test_exact_check_against_expert_references(engine, tokenizer, fmt):
+    tasks = _tasks(4)
+    env = FrozenLakeTextEnv(**KWARGS)
+    refs = {task: expert_reference(env, task, 0) for task in tasks}
+    trajs, stats = run_actfirst_episodes(engine, EnvFactory("opd/FrozenLakeText-v0", KWARGS), tasks, refs, tokenizer,
+                                         fmt, _settings(), seed=1)
+    for i, traj in enumerate(trajs):
+        d = stats.first_deviation[i]
+        for t, turn in enumerate(traj.turns):
+            if stats.modes[i][t] == "reference":
+                assert stats.matches[i][t] == exact_match(turn.observation, refs[traj.task].observations[t])
+        if d is not None:
+            assert stats.modes[i][d + 1 :] == ["autonomous"] * (len(traj.turns) - d - 1)
+            assert stats.modes[i][: d + 1] == ["reference"] * (d + 1)
+
+
+def test_full_requests_are_queued_while_the_episode_lives_in_its_state_grounded_context(engine, tokenizer, fmt):
+    tasks = _tasks(4)
+    engine.calls.clear()
+    trajs, stats = run_actfirst_episodes(engine, EnvFactory("opd/FrozenLakeText-v0", KWARGS), tasks, {}, tokenizer,
+                                         fmt, _settings(), seed=2)
+    full_prompts = [p for p, budget in engine.calls if budget == FULL_BUDGET]
+    assert len(full_prompts) == sum(len(t.turns) for t in trajs) == stats.metrics()["actfirst/full_requests"]
+    for i, traj in enumerate(trajs):
+        assert len(stats.full_queued_at[i]) == len(traj.turns)
+        assert all(queued <= stats.ended_at[i] for queued in stats.full_queued_at[i])
+        assert all(q <= s for q, s in zip(stats.full_queued_at[i], stats.full_started_at[i]))
+        for t, turn in enumerate(traj.turns):
+            context = render_context(traj, t, "state_grounded", fmt)
+            assert context in full_prompts  # sampled from exactly the context the teacher will see
+            assert tokenizer.decode(context).count(ACTION_ONLY_INSTRUCTION) == 0
+            assert turn.action_ids == turn.executed_action_ids
+            assert turn.action_text == tokenizer.decode(turn.executed_action_ids, skip_special_tokens=True)
+            assert len(turn.response_ids) == len(turn.response_logprobs) > 0
+    # Full requests overlapped with later turns: some were queued before the last env step.
+    assert min(min(q) for q in stats.full_queued_at) < max(stats.ended_at)
+    assert stats.metrics()["actfirst/late_full_requests"] == 0.0
+
+
+def test_without_inverse_dynamics_no_prompt_shows_a_reference(engine, tokenizer, fmt):
+    tasks = _tasks(3)
+    env = FrozenLakeTextEnv(**KWARGS)
+    refs = {task: expert_reference(env, task, 0) for task in tasks}
+    engine.calls.clear()
+    trajs, stats = run_actfirst_episodes(engine, EnvFactory("opd/FrozenLakeText-v0", KWARGS), tasks, refs, tokenizer,
+                                         fmt, _settings(inverse_dynamics=False), seed=3)
+    assert all(REFERENCE_HEADER not in tokenizer.decode(p) for p, _ in engine.calls)
+    assert all(m == "autonomous" for episode in stats.modes for m in episode)
+    metrics = stats.metrics()
+    assert metrics["actfirst/reference_prompt_share"] == 0.0 and "actfirst/alignment_rate" not in metrics
+
+
+def test_s_ideal_and_latency_metrics():
+    assert s_ideal(10, 1.0, 10.0) == pytest.approx(100 / 19)
+    assert s_ideal(1, 1.0, 10.0) == pytest.approx(1.0)
+    stats = ActFirstStats(modes=[["reference", "reference", "autonomous"], ["reference"]], matches=[[True, False, None], [True]],
+                          first_deviation=[1, None], has_reference=[True, True], ended_at=[5.0, 5.0],
+                          full_queued_at=[[1.0, 2.0, 3.0], [1.0]], full_started_at=[[1.0, 2.0, 3.0], [1.0]],
+                          fast_latencies_s=[0.1, 0.3], full_latencies_s=[2.0], full_call_sizes=[4], fast_tokens=8,
+                          full_tokens=40, critical_path_s=1.0, drain_s=0.5, generation_s=1.5)
+    m = stats.metrics()
+    assert m["actfirst/alignment_rate_turn_0"] == 1.0 and m["actfirst/alignment_rate_turn_1"] == 0.0
+    assert m["actfirst/alignment_rate"] == pytest.approx(2 / 4)
+    assert m["actfirst/first_deviation_turn"] == 1.0 and m["actfirst/deviated_share"] == 0.5
+    assert m["latency/fast_s"] == pytest.approx(0.2) and m["latency/full_s"] == 2.0 and m["actfirst/turns"] == 2.0
+    assert m["actfirst/s_ideal"] == pytest.approx(2 * 2.0 / (0.2 + 2.0))
+
+
+def test_one_training_row_per_turn_with_loss_on_the_full_response(engine, tokenizer, fmt, tiny_model_dir):
+    from opd.algorithms.actfirst_opd import build_turn_batch
+    from opd.supervision.teacher_view import score_trajectories
+
+    trajs, _ = run_actfirst_episodes(engine, EnvFactory("opd/FrozenLakeText-v0", KWARGS), _tasks(2), {}, tokenizer,
+                                     fmt, _settings(), seed=4)
+    teacher = HFEngine(load_model(tiny_model_dir), pad_id=fmt.pad_id)
+    scores = score_trajectories(teacher, trajs, "state_grounded", fmt, mode="topk", top_k=4)
+    batch = build_turn_batch(trajs, scores, fmt.pad_id, fmt)
+    turns = [(traj, t) for traj in trajs for t in range(len(traj.turns))]
+    assert len(batch) == len(turns)
+    flat = {id(traj): 0 for traj in trajs}
+    for r, (traj, t) in enumerate(turns):
+        context, response = render_context(traj, t, "state_grounded", fmt), traj.turns[t].response_ids
+        n = len(context) + len(response)
+        assert batch.input_ids_BT[r, :n].tolist() == context + response
+        mask = batch.loss_mask_BT[r]
+        assert mask[len(context) : n].eq(1).all() and mask.sum() == len(response)
+        # The teacher's scores of y_t, scored in one packed forward per trajectory, sit on y_t.
+        score = scores[trajs.index(traj)]
+        lo = flat[id(traj)]
+        assert batch.teacher_logprobs_BT[r, len(context) : n].tolist() == pytest.approx(score.logprobs[lo : lo + len(response)])
+        assert torch.equal(batch.teacher_topk_ids_BTK[r, len(context) : n], score.topk_ids[lo : lo + len(response)])
+        flat[id(traj)] += len(response)
+    # An unpacked forward of row r's own sequence gives the same teacher logprobs.
+    from opd.supervision.teacher_view import naive_requests
+
+    naive = teacher.score(naive_requests(trajs[0], "state_grounded", fmt))
+    assert batch.teacher_logprobs_BT[0, batch.loss_mask_BT[0] > 0].tolist() == pytest.approx(naive[0].logprobs, abs=1e-4)
+
+
+# ----- bootstrap targets ----------------------------------------------------------------------
+def test_plan_targets_are_long_and_keep_the_action_parseable(tokenizer, fmt):
+    from opd.training.bootstrap import _actfirst_rows, _policy, _sft_row, scripted_episode
+    import random
+
+    env = FrozenLakeTextEnv(**KWARGS)
+    steps = scripted_episode(env, env.task_ids("train")[0], _policy("expert", random.Random(0)), seed=0)
+    row = _sft_row(steps, "t", tokenizer, fmt, think="plan")
+    for (start, end), (obs, action, _) in zip(row["response_positions"], steps):
+        response = row["input_ids"][start:end]
+        a_start, a_end = fmt.action_span(response)
+        assert tokenizer.decode(response[a_start:a_end]) == action
+        assert len(response) >= 8 * (a_end - a_start + 1)  # the think budget the benchmark relies on
+        assert tokenizer.decode(response).startswith("<think> State: ")
+    plain = _sft_row(steps, "t", tokenizer, fmt)
+    assert all(end - start == len(tokenizer.encode(a)) + 1 for (start, end), (_, a, _) in zip(plain["response_positions"], steps))
+    rows = _actfirst_rows(steps, tokenizer, fmt, 1.0, "", random.Random(0))
+    assert len(rows) == len(steps) - 1
+    for k, row in enumerate(rows):
+        text = tokenizer.decode(row["input_ids"])
+        assert text.endswith(f"{ACTION_ONLY_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n{steps[k][1]}<|im_end|>")
+        target = [i for i, m in zip(row["input_ids"], row["loss_mask"]) if m]
+        assert tokenizer.decode(target) == f"{steps[k][1]}<|im_end|>"
+        assert "<think>" not in text  # every context is state-grounded: actions and observations only
+    assert {REFERENCE_HEADER in tokenizer.decode(r["input_ids"]) for r in rows} == {True, False}
+    # With a think format, some turns are the standard prompt answered with the full response.
+    planned = [r for seed in range(4) for r in _actfirst_rows(steps, tokenizer, fmt, 1.0, "plan", random.Random(seed))]
+    full = [r for r in planned if ACTION_ONLY_INSTRUCTION not in tokenizer.decode(r["input_ids"])]
+    assert full and all(tokenizer.decode([i for i, m in zip(r["input_ids"], r["loss_mask"]) if m]).startswith("<think>")
+                        for r in full)
+    assert all(tokenizer.decode(r["input_ids"]).count("<think>") == 1 for r in full)
+
+
+def test_default_bootstrap_options_keep_existing_cache_keys():
+    from pathlib import Path
+
+    from opd.config import load_config
+    from opd.training.bootstrap import bootstrap_key
+
+    tiny = load_config(Path(__file__).resolve().parents[1] / "data" / "tiny.yaml")
+    # Pinned: the keys of models built before think/action_only_prob existed.
+    assert bootstrap_key(tiny.teacher.bootstrap, tiny.env, 0) == "18183234cb4721d7"
+    tiny.teacher.bootstrap.think = "plan"
+    assert bootstrap_key(tiny.teacher.bootstrap, tiny.env, 0) != "18183234cb4721d7"
