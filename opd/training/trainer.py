@@ -45,7 +45,10 @@ def init_single_rank_distributed() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if not torch.distributed.is_initialized():
+        # Always a fresh port: a MASTER_PORT inherited from a parent process (a Ray worker gets
+        # its driver's environment) may be one that parent's own process group still holds.
+        os.environ["MASTER_PORT"] = str(_free_port())
     if not torch.cuda.is_available() and os.environ.get("OPD_DS_SHM_COMM") != "1":
         # DeepSpeed would JIT-compile its shared-memory allreduce op here (minutes of C++ on a
         # small machine) although gloo does the job; OPD_DS_SHM_COMM=1 brings it back.
