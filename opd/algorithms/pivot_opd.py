@@ -81,9 +81,14 @@ def per_turn_scores(traj: Trajectory, teacher_logprobs: list[float]) -> tuple[li
     return action_lp, kl
 
 
+def expert_pivot(traj: Trajectory) -> int | None:
+    """The first turn where the environment's expert would have acted otherwise."""
+    return pivot_by_expert([t.action_text for t in traj.turns], [i.get("expert_action") for i in traj.state_infos()])
+
+
 def heuristic_pivot(finder: str, traj: Trajectory, teacher_logprobs: list[float]) -> int | None:
     if finder == "expert":
-        return pivot_by_expert([t.action_text for t in traj.turns], [i.get("expert_action") for i in traj.state_infos()])
+        return expert_pivot(traj)
     action_lp, kl = per_turn_scores(traj, teacher_logprobs)
     return pivot_by_min_logprob(action_lp) if finder == "teacher_logprob" else pivot_by_max_kl(kl)
 
@@ -124,7 +129,7 @@ def find_pivots(ctx: Any, trajs: list[Trajectory], scores: list[TokenScores],
     pivots: dict[int, int] = {}
     for i in failed:
         traj = trajs[i]
-        expert_turn = pivot_by_expert([t.action_text for t in traj.turns], [s.get("expert_action") for s in traj.state_infos()])
+        expert_turn = expert_pivot(traj)
         if cfg.finder == "judge" and judged[i] is not None:
             pivots[i] = judged[i].pivot_turn
         else:
@@ -208,7 +213,7 @@ def recovery_rows(samples: list[RecoverySample], pad_id: int) -> TokenBatch:
                    teacher_tail_logprob_BT=tail_BT)
 
 
-def pivot_mask(batch: TokenBatch, trajs: list[Trajectory], judgements: dict[int, Judgement]) -> torch.Tensor:
+def pivot_mask(batch: TokenBatch, judgements: dict[int, Judgement]) -> torch.Tensor:
     """``[B, T]`` 1.0 on the response tokens of each failed episode's pivotal turn."""
     mask_BT = torch.zeros_like(batch.loss_mask_BT)
     for i, judgement in judgements.items():
@@ -242,7 +247,7 @@ def train_step(ctx: Any, step: int) -> dict[str, float]:
     t_self = time.perf_counter()
 
     batch = build_token_batch(trajs, scores, ctx.fmt.pad_id, ctx.fmt, cfg.rollout.group_size)
-    batch = replace(batch, pivot_mask_BT=pivot_mask(batch, trajs, judgements))
+    batch = replace(batch, pivot_mask_BT=pivot_mask(batch, judgements))
     if samples:
         batch = TokenBatch.concat([batch, recovery_rows(samples, ctx.fmt.pad_id)], ctx.fmt.pad_id)
     else:
