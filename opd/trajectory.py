@@ -133,6 +133,11 @@ class TokenBatch:
         recovery_mask_BT: float32 PivotOPD: 1.0 on the self-teacher's response tokens in the
             recovery rows (which have no ``loss_mask_BT`` tokens), for ``pivot_recovery``; the
             ``teacher_topk_*`` fields of those rows hold the hinted self-teacher's top-k.
+        position_ids_BT, branch_ids_BT: int64, packed rows only (e.g. ActFirst's one row per
+            episode): a row is a trunk with branches (:func:`opd.supervision.teacher_view.pack_trajectory`),
+            token t at position ``position_ids_BT[:, t]``, seeing the trunk before it and its own
+            branch only (:func:`opd.generation.base.branch_attention_mask`). A trained token's
+            predictor is still the token just before it in the row. ``None``: plain sequences.
         totals: normalisers of the whole optimizer batch, kept by :meth:`select` so a loss on a
             micro-batch is normalised as if it saw the whole batch: ``tokens``, ``turns``,
             ``sequences`` and ``micro_batches`` (see :func:`opd.losses.reduce_tokens`).
@@ -156,6 +161,8 @@ class TokenBatch:
     student_logprobs_BTV: torch.Tensor | None = None
     pivot_mask_BT: torch.Tensor | None = None
     recovery_mask_BT: torch.Tensor | None = None
+    position_ids_BT: torch.Tensor | None = None
+    branch_ids_BT: torch.Tensor | None = None
     totals: dict[str, float] | None = None
 
     def __len__(self) -> int:

@@ -8,21 +8,21 @@ One step, top to bottom:
 2. **Rollout** (in the rollout actor, :mod:`opd.rollout.actfirst`). The student plays each
    turn with a fast action-only answer: by inverse dynamics (its context plus the reference
    next observation) while the episode stays aligned with the reference, autonomously after
-   the first failed transition check. Every context ``c_t`` is queued at once for a full
-   think-then-act response (standard prompt, no reference) that a background thread
-   generates while the episodes go on; those actions are never executed.
+   the first failed transition check. Every context ``c_t`` is added at once to the engine's
+   stream (continuous batching) for a full think-then-act response (standard prompt, no
+   reference), decoded alongside the later fast turns; those actions are never executed.
 3. **Supervision.** The teacher scores each full response in the state-grounded view (task,
    executed actions, observations): exactly the context the response was sampled from.
-4. **Update.** One row per turn: ``c_t`` followed by the full response, loss on the response
-   only, with the recipe's losses (by default the sampled reverse KL as a per-token advantage
-   with a PPO-clipped ratio against the behaviour logprobs of the full response).
+4. **Update.** One packed row per episode: the state-grounded trunk with each full response
+   as a branch after its context (the layout the teacher scored), loss on the responses only,
+   with the recipe's losses (by default the sampled reverse KL as a per-token advantage with a
+   PPO-clipped ratio against the behaviour logprobs of the full responses).
 5. **Sync.** The trainer's new weights go into the rollout engine, timed.
 
 Evaluation is the driver's: standard think-then-act, no reference.
 
-Departures from the paper: the full responses are batched by a background thread over the HF
-engine rather than by a continuously batching server (see :mod:`opd.rollout.actfirst`), and a
-training row per turn is a separate sequence (no prefix sharing in the student's forward).
+Departure from the paper: the training rows are packed per episode (branch attention), which
+changes nothing in the gradient but the cost.
 """
 
 from __future__ import annotations
@@ -35,66 +35,73 @@ import ray
 import torch
 
 from opd.algorithms.vanilla_opd import episode_metrics, sample_tasks
-from opd.chat import render_context
 from opd.generation.base import TokenScores
 from opd.losses import group_advantages
 from opd.rollout.actfirst import ActFirstSettings, TransitionCheck, collect_actfirst
 from opd.rollout.references import load_references
 from opd.runtime.actors import sync_weights
+from opd.supervision.teacher_view import pack_trajectory
 from opd.trajectory import TokenBatch, Trajectory
 
 
-def build_turn_batch(trajs: list[Trajectory], scores: list[TokenScores], pad_id: int, fmt,
-                     group_size: int = 1) -> TokenBatch:
-    """One row per turn: the state-grounded context ``c_t`` then the full response ``y_t``.
+def build_episode_batch(trajs: list[Trajectory], scores: list[TokenScores], pad_id: int, fmt,
+                        group_size: int = 1) -> TokenBatch:
+    """One packed row per episode: the state-grounded trunk (task, executed actions,
+    observations) with each full response ``y_t`` as a branch after its context ``c_t``, the
+    layout the teacher scored (:func:`opd.supervision.teacher_view.pack_trajectory`). One
+    forward trains every turn of the episode, where a row per turn would recompute ``c_t`` in
+    every later row (about T/2 times the tokens).
 
-    ``loss_mask`` is 1.0 on ``y_t`` only, ``behaviour_logprobs`` are ``y_t``'s sampling
-    logprobs, the teacher's scores (``sampled``, ``topk`` or ``full``) sit on ``y_t``'s
-    positions, ``turn_index`` is ``t``, and every row of an episode carries that episode's
-    group-relative advantage (groups of ``group_size`` consecutive trajectories).
+    ``loss_mask`` is 1.0 on the ``y_t`` tokens only, ``behaviour_logprobs`` are their sampling
+    logprobs, the teacher's scores (``sampled``, ``topk`` or ``full``) sit on them, ``turn_index``
+    is ``t``, ``position_ids`` / ``branch_ids`` describe the packing, and each row carries its
+    episode's group-relative advantage (groups of ``group_size`` consecutive trajectories).
 
     Example:
-        >>> batch = build_turn_batch(trajs, scores, fmt.pad_id, fmt)  # doctest: +SKIP
-        >>> len(batch) == sum(len(t.turns) for t in trajs)  # doctest: +SKIP
+        >>> batch = build_episode_batch(trajs, scores, fmt.pad_id, fmt)  # doctest: +SKIP
+        >>> len(batch) == len(trajs)  # doctest: +SKIP
         True
     """
-    rows, spans, owners = [], [], []
-    for b, (traj, score) in enumerate(zip(trajs, scores)):
-        flat = 0
-        for t, turn in enumerate(traj.turns):
-            context = render_context(traj, t, "state_grounded", fmt)
-            n = len(turn.response_ids)
-            rows.append({
-                "input_ids": context + turn.response_ids,
-                "attention_mask": [1] * (len(context) + n),
-                "loss_mask": [0.0] * len(context) + [1.0] * n,
-                "behaviour_logprobs": [0.0] * len(context) + list(turn.response_logprobs),
-                "teacher_logprobs": [0.0] * len(context) + list(score.logprobs[flat : flat + n]),
-                "turn_index": [-1] * len(context) + [t] * n,
-            })
-            spans.append((len(context), len(context) + n, flat, flat + n))
-            owners.append(b)
-            flat += n
+    rows, targets = [], []
+    for traj, score in zip(trajs, scores):
+        packed = pack_trajectory(traj, "state_grounded", fmt)
+        n = len(packed.input_ids)
+        row = {"input_ids": packed.input_ids, "attention_mask": [1] * n, "loss_mask": [0.0] * n,
+               "behaviour_logprobs": [0.0] * n, "teacher_logprobs": [0.0] * n, "turn_index": [-1] * n}
+        behaviour = [lp for turn in traj.turns for lp in turn.response_logprobs]
+        turn_of = [t for t, turn in enumerate(traj.turns) for _ in turn.response_ids]
+        for k, i in enumerate(packed.target_index):
+            row["loss_mask"][i] = 1.0
+            row["behaviour_logprobs"][i] = behaviour[k]
+            row["teacher_logprobs"][i] = score.logprobs[k]
+            row["turn_index"][i] = turn_of[k]
+        rows.append(row)
+        targets.append((packed.position_ids, packed.branch_ids, torch.tensor(packed.target_index, dtype=torch.long)))
     batch = TokenBatch.from_rows(rows, pad_id)
     B, T = batch.input_ids_BT.shape
+    position_BT = torch.zeros(B, T, dtype=torch.long)
+    branch_BT = torch.zeros(B, T, dtype=torch.long)
+    for r, (position, branch, _) in enumerate(targets):
+        position_BT[r, : len(position)] = torch.tensor(position)
+        branch_BT[r, : len(branch)] = torch.tensor(branch)
+    batch = replace(batch, position_ids_BT=position_BT, branch_ids_BT=branch_BT)
     if scores and scores[0].topk_ids is not None:
         K = scores[0].topk_ids.shape[1]
         ids_BTK = torch.zeros(B, T, K, dtype=torch.long)
         logp_BTK = torch.full((B, T, K), float("-inf"))
         tail_BT = torch.zeros(B, T)
-        for r, ((start, end, lo, hi), b) in enumerate(zip(spans, owners)):
-            ids_BTK[r, start:end] = scores[b].topk_ids[lo:hi]
-            logp_BTK[r, start:end] = scores[b].topk_logprobs[lo:hi]
-            tail_BT[r, start:end] = scores[b].tail_logprob[lo:hi]
+        for r, (score, (_, _, index)) in enumerate(zip(scores, targets)):
+            ids_BTK[r, index] = score.topk_ids
+            logp_BTK[r, index] = score.topk_logprobs
+            tail_BT[r, index] = score.tail_logprob
         batch = replace(batch, teacher_topk_ids_BTK=ids_BTK, teacher_topk_logprobs_BTK=logp_BTK, teacher_tail_logprob_BT=tail_BT)
     if scores and scores[0].full_logprobs is not None:
         full_BTV = torch.zeros(B, T, scores[0].full_logprobs.shape[1])
-        for r, ((start, end, lo, hi), b) in enumerate(zip(spans, owners)):
-            full_BTV[r, start:end] = scores[b].full_logprobs[lo:hi]
+        for r, (score, (_, _, index)) in enumerate(zip(scores, targets)):
+            full_BTV[r, index] = score.full_logprobs
         batch = replace(batch, teacher_full_logprobs_BTV=full_BTV)
     rewards = torch.tensor([traj.total_reward for traj in trajs])
-    episode_advantage = group_advantages(rewards, torch.arange(len(trajs)) // max(1, group_size))
-    return replace(batch, advantage_B=episode_advantage[torch.tensor(owners, dtype=torch.long)])
+    return replace(batch, advantage_B=group_advantages(rewards, torch.arange(len(trajs)) // max(1, group_size)))
 
 
 def actfirst_settings(ctx: Any) -> ActFirstSettings:
@@ -123,7 +130,7 @@ def train_step(ctx: Any, step: int) -> dict[str, float]:
     t_gen = time.perf_counter()
     scores = ray.get(workers.teacher.score.remote(trajs, cfg.supervision))
     t_score = time.perf_counter()
-    batch = build_turn_batch(trajs, scores, ctx.fmt.pad_id, ctx.fmt, cfg.rollout.group_size)
+    batch = build_episode_batch(trajs, scores, ctx.fmt.pad_id, ctx.fmt, cfg.rollout.group_size)
     train_metrics = ray.get(workers.trainer.train_step.remote(batch))
     t_train = time.perf_counter()
     sync = sync_weights(workers)
@@ -133,7 +140,6 @@ def train_step(ctx: Any, step: int) -> dict[str, float]:
     metrics.update(episode_metrics(trajs, {**extra, "generated_tokens": float(stats.fast_tokens + stats.full_tokens),
                                            "generation_s": stats.generation_s}))
     metrics.update({
-        "train_rows": float(len(batch)),
         "teacher_payload_mb": sum(s.nbytes() for s in scores) / 2**20,
         "teacher_logprob_per_token": sum(sum(s.logprobs) for s in scores) / max(stats.full_tokens, 1),
         "time/references_s": t_refs - start,

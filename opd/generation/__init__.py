@@ -1,20 +1,25 @@
 """Inference engines behind one interface: ``generate``, ``score`` and ``update_weights``.
 
 See :mod:`opd.generation.base` for the contract and :mod:`opd.generation.hf` for the
-Hugging Face engine (the CPU default), :mod:`opd.generation.vllm_engine` for vLLM.
+Hugging Face engine (the CPU default), :mod:`opd.generation.vllm_engine` for vLLM. Both also
+offer ``stream()``: continuous batching, where requests join and leave between decode steps.
 """
 
-from opd.generation.base import Completion, Engine, SamplingParams, ScoreRequest
+from opd.generation.base import Completion, Engine, GenerationStream, SamplingParams, ScoreRequest
 
-__all__ = ["Completion", "Engine", "SamplingParams", "ScoreRequest", "make_engine"]
+__all__ = ["Completion", "Engine", "GenerationStream", "SamplingParams", "ScoreRequest", "make_engine"]
 
 
-def make_engine(kind: str, path: str, dtype: str = "float32", trust_remote_code: bool = False) -> Engine:
-    """The engine named ``kind`` (``hf`` or ``vllm``) over the model at ``path``."""
+def make_engine(kind: str, path: str, dtype: str = "float32", trust_remote_code: bool = False,
+                prefix_cache_mb: float = 0.0) -> Engine:
+    """The engine named ``kind`` (``hf`` or ``vllm``) over the model at ``path``.
+
+    ``prefix_cache_mb`` sizes the HF engine's prefix cache (vLLM always runs its own)."""
     if kind == "hf":
         from opd.generation.hf import HFEngine
 
-        return HFEngine.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        return HFEngine.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                        prefix_cache_mb=prefix_cache_mb)
     if kind == "vllm":
         from opd.generation.vllm_engine import VLLMEngine
 

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Hashable
 from typing import Protocol
 
 import torch
@@ -116,8 +117,26 @@ def scores_from_logprobs(logp_NV: torch.Tensor, target_N: torch.Tensor, mode: st
     return TokenScores(picked, topk_ids=ids_NK.cpu(), topk_logprobs=values_NK.cpu(), tail_logprob=tail_N.cpu())
 
 
+class GenerationStream(Protocol):
+    """Continuous batching: requests join and leave between decode steps.
+
+    ``add`` queues a request (it joins the batch at the next ``step``); ``step`` runs one
+    decode step over every live request and returns those that finished in it, as
+    ``(key, completion)``; ``len`` counts the requests not yet returned. A request's tokens
+    are sampled as by ``generate`` (same params, behaviour logprobs, stop rules).
+    """
+
+    def add(self, key: Hashable, prompt_ids: list[int], params: SamplingParams) -> None: ...
+
+    def step(self) -> list[tuple[Hashable, Completion]]: ...
+
+    def __len__(self) -> int: ...
+
+
 class Engine(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+
+    def stream(self, seed: int = 0) -> GenerationStream: ...
 
     def score(self, requests: list[ScoreRequest], batch_size: int = 16, mode: str = "sampled", top_k: int = 0) -> list[TokenScores]: ...
 
@@ -132,10 +151,10 @@ def branch_attention_mask(branch_ids_BL: torch.Tensor, valid_BL: torch.Tensor) -
     Padding rows attend to themselves only, so no softmax row is empty.
     """
     L = branch_ids_BL.shape[1]
-    causal_LL = torch.tril(torch.ones(L, L, dtype=torch.bool))
+    causal_LL = torch.tril(torch.ones(L, L, dtype=torch.bool, device=branch_ids_BL.device))
     key_B1L = branch_ids_BL[:, None, :]
     query_BL1 = branch_ids_BL[:, :, None]
     visible_BLL = (key_B1L == 0) | (key_B1L == query_BL1)
     mask_BLL = causal_LL[None] & visible_BLL & valid_BL[:, None, :] & valid_BL[:, :, None]
-    mask_BLL |= torch.eye(L, dtype=torch.bool)[None]
+    mask_BLL |= torch.eye(L, dtype=torch.bool, device=branch_ids_BL.device)[None]
     return mask_BLL[:, None]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Hashable
 
 import torch
 
@@ -88,6 +89,10 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             gpu_memory_utilization=gpu_memory_utilization,
             seed=0,
+            # On CPU a chunked prefill that discards a step's sample rewinds the request's seeded
+            # generator, which CPU generators cannot do (RuntimeError "CPU Generator does not
+            # use offset" once requests join a running batch): prefill whole prompts there.
+            enable_chunked_prefill=torch.cuda.is_available(),
         )
         return cls(llm)
 
@@ -95,31 +100,16 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """``n`` completions per prompt, prompt-major. Request ``i`` is seeded ``seed + i``,
         so a call is reproducible and its rows differ."""
-        from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        sampling = [
-            VSamplingParams(
-                n=params.n,
-                max_tokens=params.max_new_tokens,
-                temperature=params.temperature,
-                stop_token_ids=list(params.stop_token_ids),
-                stop=list(params.stop),
-                logprobs=0,
-                seed=params.seed + i,
-                detokenize=bool(params.stop),  # stop strings are matched on the text
-            )
-            for i in range(len(prompts))
-        ]
-        results = []
-        for output in self.llm.generate(requests, sampling, use_tqdm=False):
-            for sample in output.outputs:
-                ids = list(sample.token_ids)
-                logprobs = [step[token].logprob for step, token in zip(sample.logprobs, ids)]
-                reason = "stop" if sample.finish_reason == "stop" else "length"
-                results.append(Completion(response_ids=ids, logprobs=logprobs, finish_reason=reason))
-        return results
+        sampling = [_vllm_sampling(params, params.seed + i) for i in range(len(prompts))]
+        return [_completion(sample) for output in self.llm.generate(requests, sampling, use_tqdm=False)
+                for sample in output.outputs]
+
+    def stream(self, seed: int = 0) -> "VLLMStream":
+        """Continuous batching in vLLM's own scheduler (see :class:`VLLMStream`)."""
+        return VLLMStream(self, seed)
 
     # -- scoring ----------------------------------------------------------------------------
     def score(self, requests: list[ScoreRequest], batch_size: int = 16, mode: str = "sampled",
@@ -170,3 +160,66 @@ class VLLMEngine:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError("vLLM keeps fused, kernel-format weights; compare logprobs instead")
+
+
+def _vllm_sampling(params: SamplingParams, seed: int):
+    """Our :class:`SamplingParams` as vLLM's, with the sampled tokens' behaviour logprobs."""
+    from vllm import SamplingParams as VSamplingParams
+
+    return VSamplingParams(
+        n=params.n,
+        max_tokens=params.max_new_tokens,
+        temperature=params.temperature,
+        stop_token_ids=list(params.stop_token_ids),
+        stop=list(params.stop),
+        logprobs=0,
+        seed=seed,
+        detokenize=bool(params.stop),  # stop strings are matched on the text
+    )
+
+
+def _completion(sample) -> Completion:
+    ids = list(sample.token_ids)
+    logprobs = [step[token].logprob for step, token in zip(sample.logprobs, ids)]
+    return Completion(response_ids=ids, logprobs=logprobs, finish_reason="stop" if sample.finish_reason == "stop" else "length")
+
+
+class VLLMStream:
+    """Continuous batching on vLLM: ``add`` hands a request to the engine's scheduler
+    (``LLMEngine.add_request``) and ``step`` runs one scheduler step (``LLMEngine.step``),
+    which decodes every running request and admits waiting ones, and returns the finished.
+
+    A request is seeded with ``params.seed`` (the caller gives each its own); ``seed`` offsets
+    them so that two streams with the same requests still differ. ``params.n`` must be 1.
+    """
+
+    def __init__(self, engine: VLLMEngine, seed: int = 0):
+        self.core = engine.llm.llm_engine
+        self.seed = seed
+        self._keys: dict[str, Hashable] = {}
+        self._count = 0
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, key: Hashable, prompt_ids: list[int], params: SamplingParams) -> None:
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if params.n != 1:
+            raise ValueError(f"a stream request samples once (SamplingParams.n={params.n}); add one request per sample")
+        sampling = _vllm_sampling(params, self.seed + params.seed)
+        sampling.output_kind = RequestOutputKind.FINAL_ONLY
+        request_id = f"opd-stream-{id(self)}-{self._count}"
+        self._count += 1
+        self._keys[request_id] = key
+        self.core.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), sampling)
+
+    def step(self) -> list[tuple[Hashable, Completion]]:
+        if not self._keys:
+            return []
+        finished = []
+        for output in self.core.step():
+            if output.finished and output.request_id in self._keys:
+                finished.append((self._keys.pop(output.request_id), _completion(output.outputs[0])))
+        return finished

@@ -8,11 +8,13 @@ request, and the *full* think-then-act response is generated apart:
 1. **Context.** ``c_t`` is the state-grounded context: the task, then every executed action and
    the observation it led to, in token ids (``prompt_0 a_0 close prompt_1 ... prompt_t``),
    exactly ``render_context(traj, t, "state_grounded")``.
-2. **Full request, at once.** As soon as ``c_t`` exists it is queued for a full think-then-act
-   response (the standard prompt, no reference, ``rollout.max_new_tokens``). A background
-   thread batches whatever is queued into one ``engine.generate`` call, so these responses
-   overlap with later environment steps and fast turns. A request is queued only while its
-   episode is live (never after it ended); the action inside a full response is not executed.
+2. **Full request, at once.** As soon as ``c_t`` exists it is added to the engine's stream
+   (continuous batching, :class:`opd.generation.base.GenerationStream`) for a full
+   think-then-act response (the standard prompt, no reference, ``rollout.max_new_tokens``).
+   It decodes a token in every step the stream runs from then on, so it overlaps with the
+   later fast turns (which share those steps) and with the other full requests. A request is
+   added only while its episode is live (never after it ended); the action inside a full
+   response is not executed. After the last environment step the stream drains.
 3. **Fast action.** While the episode is *aligned* with its reference trajectory, the student
    gets the inverse-dynamics prompt: ``c_t`` with the last observation message extended by the
    reference next observation o_ref(t+1) (see :func:`action_only_prompt_ids`), and answers
@@ -24,17 +26,13 @@ request, and the *full* think-then-act response is generated apart:
    in *autonomous* action-only prompts (no reference). With ``inverse_dynamics=False`` (the
    "w/o ID" ablation) every fast turn is autonomous.
 
-Concurrency: the fast turns and the background full requests call the same engine from two
-threads. For :class:`opd.generation.hf.HFEngine` this is safe without a lock: the two calls
-share the model's weights read-only, each keeps its own KV cache and ``torch.Generator``, and
-grad mode is thread-local (``tests/unit/test_actfirst.py`` checks concurrent results equal
-serial ones). Any other engine (vLLM's ``LLM`` object is not thread-safe) is serialised by a
-lock; the overlap with environment steps remains.
-
-Departures from the paper: with the HF engine the "batching engine" is the background thread,
-which batches the requests queued while its previous call ran (vLLM would do continuous
-batching). Which requests share a call depends on timing, so full responses are reproducible
-only up to that batching (fast actions are seeded per turn, as in the vanilla loop).
+One thread, one stream: a fast turn adds its action-only requests to the same stream and
+steps it until they have all finished; every one of those steps also advances every full
+request in flight. On a small model or a GPU a decode step over a hundred rows costs little
+more than over ten, so the full responses ride along nearly free, and the critical path is
+the fast turns alone (:class:`opd.generation.hf.HFStream` on the HF engine, vLLM's own
+scheduler on vLLM). The order of ``add`` and ``step`` calls depends on nothing but the
+episodes, so a rollout is reproducible.
 
 Example:
     >>> trajs, stats = run_actfirst_episodes(engine, EnvFactory("opd/FrozenLakeText-v0"), tasks, refs,
@@ -44,10 +42,8 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import re
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -178,79 +174,6 @@ class ActFirstSettings:
     check: TransitionCheck = field(default_factory=TransitionCheck)
 
 
-# ----- the background batcher ---------------------------------------------------------------
-class FullResponseQueue:
-    """Full think-then-act requests, queued as their contexts appear and generated in the
-    background: each engine call takes everything queued while the previous one ran.
-
-    Example:
-        >>> with FullResponseQueue(engine, params_for_call) as queue:  # doctest: +SKIP
-        ...     queue.submit((episode, turn), context_ids)
-        >>> queue.results[(episode, turn)]  # doctest: +SKIP
-    """
-
-    def __init__(self, engine, params_for_call, lock: threading.Lock | None):
-        self.engine, self.params_for_call, self.lock = engine, params_for_call, lock
-        self.results: dict[Any, Completion] = {}
-        self.queued_at: dict[Any, float] = {}
-        self.started_at: dict[Any, float] = {}
-        self.call_latencies_s: list[float] = []
-        self.call_sizes: list[int] = []
-        self._items: list[tuple[Any, list[int]]] = []
-        self._closed = False
-        self._error: BaseException | None = None
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._serve, name="actfirst-full-responses", daemon=True)
-        self._thread.start()
-
-    def submit(self, key: Any, context_ids: list[int]) -> None:
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("full-response queue is closed: no request may be issued after the rollout ended")
-            self.queued_at[key] = time.perf_counter()
-            self._items.append((key, list(context_ids)))
-            self._cond.notify()
-
-    def _serve(self) -> None:
-        calls = 0
-        while True:
-            with self._cond:
-                while not self._items and not self._closed:
-                    self._cond.wait()
-                if not self._items:
-                    return
-                batch, self._items = self._items, []
-            start = time.perf_counter()
-            for key, _ in batch:
-                self.started_at[key] = start
-            try:
-                with self.lock if self.lock is not None else contextlib.nullcontext():
-                    completions = self.engine.generate([ids for _, ids in batch], self.params_for_call(calls))
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the rollout's thread by close()
-                self._error = exc
-                return
-            self.call_latencies_s.append(time.perf_counter() - start)
-            self.call_sizes.append(len(batch))
-            calls += 1
-            for (key, _), completion in zip(batch, completions):
-                self.results[key] = completion
-
-    def close(self) -> None:
-        """Stop taking requests, wait for the outstanding ones; re-raise a generation error."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join()
-        if self._error is not None:
-            raise RuntimeError(f"full-response generation failed: {self._error!r}") from self._error
-
-    def __enter__(self) -> "FullResponseQueue":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 # ----- statistics ---------------------------------------------------------------------------
 @dataclass
 class ActFirstStats:
@@ -260,8 +183,12 @@ class ActFirstStats:
     ``matches[i][t]`` (the transition check's verdict on a reference turn, else ``None``),
     ``first_deviation[i]`` (turn of the first failed check; ``None`` if none),
     ``has_reference[i]``, ``ended_at[i]`` (``perf_counter`` when the episode ended),
-    ``full_queued_at[i][t]`` / ``full_started_at[i][t]`` (when turn t's full request was
-    queued / entered an engine call). Latencies are per engine call, in seconds.
+    ``full_queued_at[i][t]`` / ``full_finished_at[i][t]`` (when turn t's full request was
+    added to the stream / came back finished), ``critical_path_end`` (``perf_counter`` after
+    the last environment step).
+    ``fast_latencies_s``: one per fast turn (its requests added until the last finished);
+    ``full_latencies_s``: one per full request (added until finished). ``stream_steps`` /
+    ``stream_row_steps``: decode steps the stream ran, and their live rows summed.
     """
 
     modes: list[list[str]]
@@ -270,13 +197,15 @@ class ActFirstStats:
     has_reference: list[bool]
     ended_at: list[float]
     full_queued_at: list[list[float]]
-    full_started_at: list[list[float]]
+    full_finished_at: list[list[float]]
     fast_latencies_s: list[float]
     full_latencies_s: list[float]
-    full_call_sizes: list[int]
+    stream_steps: int
+    stream_row_steps: int
     fast_tokens: int
     full_tokens: int
     critical_path_s: float  # from the first reset to the last environment step
+    critical_path_end: float
     drain_s: float  # waiting for outstanding full responses after the last step
     generation_s: float  # the whole rollout
 
@@ -284,8 +213,7 @@ class ActFirstStats:
         """Alignment by turn, first deviation, latencies, S_ideal and the time split.
 
         ``S_ideal(T) = T * l_full / ((T - 1) * l_fast + l_full)`` with ``T`` the mean number of
-        turns per episode, ``l_fast`` the mean fast-turn call and ``l_full`` the mean full
-        call (one batched background call).
+        turns per episode, ``l_fast`` the mean fast turn and ``l_full`` the mean full request.
         """
         out: dict[str, float] = {}
         referenced = [i for i, has in enumerate(self.has_reference) if has]
@@ -315,8 +243,8 @@ class ActFirstStats:
         out["latency/full_s"] = l_full
         out["actfirst/turns"] = T
         out["actfirst/s_ideal"] = s_ideal(T, l_fast, l_full)
-        out["actfirst/full_calls"] = float(len(self.full_latencies_s))
-        out["actfirst/full_batch_mean"] = sum(self.full_call_sizes) / max(len(self.full_call_sizes), 1)
+        out["actfirst/stream_steps"] = float(self.stream_steps)
+        out["actfirst/stream_rows_mean"] = self.stream_row_steps / max(self.stream_steps, 1)
         out["time/critical_path_s"] = self.critical_path_s
         out["time/full_drain_s"] = self.drain_s
         out["actfirst/fast_tokens"] = float(self.fast_tokens)
@@ -355,14 +283,14 @@ def run_actfirst_episodes(
     """Play one ActFirst episode per task.
 
     Args:
-        engine: the student's engine (``generate``).
+        engine: the student's engine (its ``stream``).
         env_factory: picklable zero-argument callable returning a fresh environment.
         tasks: task ids, one episode each.
         references: task -> :class:`opd.rollout.references.Reference`; a task without one (or
             ``settings.inverse_dynamics=False``) plays autonomous fast turns from the start.
         tokenizer, fmt: the student's tokenizer and ChatML ids.
         settings: see :class:`ActFirstSettings`.
-        seed: fast turn k samples with ``seed * 1009 + k``, full call j with ``seed * 1009 + 500009 + j``.
+        seed: the stream samples with ``seed * 1009 + 500009``.
         envs: an :class:`opd.rollout.env_pool.EnvWorkerPool`, or ``None`` for in-process envs.
 
     Returns:
@@ -374,14 +302,39 @@ def run_actfirst_episodes(
     if envs is None:
         with InProcessEnvs(env_factory) as local:
             return run_actfirst_episodes(engine, env_factory, tasks, references, tokenizer, fmt, settings, seed, local)
-    from opd.generation.hf import HFEngine
-
     ep = settings.episode
     matches_reference = settings.check.resolve()
-    lock = None if isinstance(engine, HFEngine) else threading.Lock()
-    guard = lock if lock is not None else contextlib.nullcontext()
-    full_params = lambda j: SamplingParams(max_new_tokens=ep.max_new_tokens, temperature=ep.temperature,  # noqa: E731
-                                           stop_token_ids=(fmt.im_end_id,), seed=seed * 1009 + 500009 + j)
+    stream = engine.stream(seed * 1009 + 500009)
+    requests = 0
+
+    def add(key, prompt_ids: list[int], max_new_tokens: int) -> None:
+        nonlocal requests
+        # Every request its own seed (vLLM seeds per request; the HF stream ignores it).
+        stream.add(key, prompt_ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=ep.temperature,
+                                                   stop_token_ids=(fmt.im_end_id,), seed=requests))
+        requests += 1
+
+    full_results: dict[tuple[int, int], Completion] = {}
+    full_queued_at: dict[tuple[int, int], float] = {}
+    full_finished_at: dict[tuple[int, int], float] = {}
+    full_latencies: list[float] = []
+
+    def step() -> list[tuple[Any, Completion]]:
+        """One stream step; full responses are filed, fast ones returned."""
+        fast = []
+        for key, completion in stream.step():
+            if key[0] == "full":
+                full_results[key[1:]] = completion
+                full_finished_at[key[1:]] = time.perf_counter()
+                full_latencies.append(full_finished_at[key[1:]] - full_queued_at[key[1:]])
+            else:
+                fast.append((key, completion))
+        return fast
+
+    def add_full(i: int, t: int, context: list[int]) -> None:
+        full_queued_at[(i, t)] = time.perf_counter()
+        add(("full", i, t), context, ep.max_new_tokens)
+
     n = len(tasks)
     episodes = [_Episode(Trajectory(task=task), (references or {}).get(task) if settings.inverse_dynamics else None)
                 for task in tasks]
@@ -392,105 +345,102 @@ def run_actfirst_episodes(
     fast_latencies: list[float] = []
     fast_tokens = 0
     start = time.perf_counter()
-    queue = FullResponseQueue(engine, full_params, lock)
-    try:
-        pending = []
-        for i, result in enumerate(envs.reset_many([(i, task, seed) for i, task in enumerate(tasks)])):
-            e = episodes[i]
+    pending = []
+    for i, result in enumerate(envs.reset_many([(i, task, seed) for i, task in enumerate(tasks)])):
+        e = episodes[i]
+        if isinstance(result, EnvFailure):
+            _fail(e.traj, result)
+            ended_at[i] = time.perf_counter()
+            continue
+        e.observation = result[0]
+        e.traj.initial_observation, e.traj.initial_info = result[0], _safe_info(result[1])
+        prompt = standard_prompt_ids(fmt, tokenizer, e.observation, ep.system_prompt, first=True)
+        e.context = list(prompt)
+        e.history = e.context[: len(e.context) - len(standard_prompt_ids(fmt, tokenizer, e.observation))]
+        e.aligned = e.reference is not None and len(e.reference.actions) > 0
+        add_full(i, 0, e.context)
+        pending.append((i, prompt))
+    while pending:
+        turn_modes = []
+        called = time.perf_counter()
+        for i, _ in pending:
+            e, t = episodes[i], len(episodes[i].traj.turns)
+            reference_next = e.reference.observations[t] if e.aligned and t < len(e.reference.observations) else None
+            turn_modes.append("reference" if reference_next is not None else "autonomous")
+            prompt = e.history + action_only_prompt_ids(fmt, tokenizer, e.observation, reference_next)
+            add(("fast", i), prompt, settings.action_max_new_tokens)
+        fast_done: dict[int, Completion] = {}
+        while len(fast_done) < len(pending):
+            fast_done.update((key[1], completion) for key, completion in step())
+        fast_latencies.append(time.perf_counter() - called)
+        turns = []
+        for (i, prompt), mode in zip(pending, turn_modes):
+            fast = fast_done[i].response_ids
+            fast_tokens += len(fast)
+            a_start, a_end = fmt.action_span(fast)
+            action_ids = list(fast[a_start:a_end])
+            turn = Turn(prompt_ids=list(prompt), response_ids=[], response_logprobs=[],
+                        action_text=tokenizer.decode(action_ids, skip_special_tokens=True),
+                        executed_action_ids=action_ids)
+            episodes[i].traj.turns.append(turn)
+            modes[i].append(mode)
+            turns.append(turn)
+        results = envs.step_many([(i, turn.action_text) for (i, _), turn in zip(pending, turns)])
+        still = []
+        for (i, _), mode, turn, result in zip(pending, turn_modes, turns, results):
+            e, t = episodes[i], len(episodes[i].traj.turns) - 1
             if isinstance(result, EnvFailure):
                 _fail(e.traj, result)
+                matches[i].append(None)
                 ended_at[i] = time.perf_counter()
                 continue
-            e.observation = result[0]
-            e.traj.initial_observation, e.traj.initial_info = result[0], _safe_info(result[1])
-            prompt = standard_prompt_ids(fmt, tokenizer, e.observation, ep.system_prompt, first=True)
-            e.context = list(prompt)
-            e.history = e.context[: len(e.context) - len(standard_prompt_ids(fmt, tokenizer, e.observation))]
-            e.aligned = e.reference is not None and len(e.reference.actions) > 0
-            queue.submit((i, 0), e.context)
-            pending.append((i, prompt))
-        turn_no = 0
-        while pending:
-            prompts, turn_modes = [], []
-            for i, _ in pending:
-                e, t = episodes[i], len(episodes[i].traj.turns)
-                reference_next = e.reference.observations[t] if e.aligned and t < len(e.reference.observations) else None
-                turn_modes.append("reference" if reference_next is not None else "autonomous")
-                prompts.append(e.history + action_only_prompt_ids(fmt, tokenizer, e.observation, reference_next))
-            params = SamplingParams(max_new_tokens=settings.action_max_new_tokens, temperature=ep.temperature,
-                                    stop_token_ids=(fmt.im_end_id,), seed=seed * 1009 + turn_no)
-            called = time.perf_counter()
-            with guard:
-                completions = engine.generate(prompts, params)
-            fast_latencies.append(time.perf_counter() - called)
-            turns = []
-            for (i, prompt), mode, completion in zip(pending, turn_modes, completions):
-                fast = completion.response_ids
-                fast_tokens += len(fast)
-                a_start, a_end = fmt.action_span(fast)
-                action_ids = list(fast[a_start:a_end])
-                turn = Turn(prompt_ids=list(prompt), response_ids=[], response_logprobs=[],
-                            action_text=tokenizer.decode(action_ids, skip_special_tokens=True),
-                            executed_action_ids=action_ids)
-                episodes[i].traj.turns.append(turn)
-                modes[i].append(mode)
-                turns.append(turn)
-            results = envs.step_many([(i, turn.action_text) for (i, _), turn in zip(pending, turns)])
-            still = []
-            for (i, _), mode, turn, result in zip(pending, turn_modes, turns, results):
-                e, t = episodes[i], len(episodes[i].traj.turns) - 1
-                if isinstance(result, EnvFailure):
-                    _fail(e.traj, result)
-                    matches[i].append(None)
-                    ended_at[i] = time.perf_counter()
-                    continue
-                obs, reward, terminated, truncated, info = result
-                match = matches_reference(obs, e.reference.observations[t]) if mode == "reference" else None
-                if match is False:
-                    e.aligned = False
-                    first_deviation[i] = t
-                if e.aligned and t + 1 >= len(e.reference.observations):
-                    e.aligned = False  # the reference ended: nothing left to follow
-                matches[i].append(match)
-                turn.observation, turn.reward = obs, float(reward)
-                turn.terminated, turn.truncated = bool(terminated), bool(truncated)
-                turn.info = {**_safe_info(info), "actfirst_mode": mode, "transition_match": match}
-                e.traj.success = bool(info.get("success", False))
-                if terminated or truncated:
-                    e.traj.end_reason = "success" if e.traj.success else ("failure" if terminated else "truncated")
-                    ended_at[i] = time.perf_counter()
-                    continue
-                next_prompt = standard_prompt_ids(fmt, tokenizer, obs)
-                # c_{t+1} = c_t a_t close o_t: the state-grounded view closes every action this way.
-                e.history = e.context + turn.executed_action_ids + [fmt.im_end_id, *fmt.newline_ids]
-                e.context = e.history + next_prompt
-                e.observation = obs
-                if len(e.context) + ep.max_new_tokens > ep.max_context_tokens:
-                    e.traj.end_reason = "context_limit"
-                    ended_at[i] = time.perf_counter()
-                    continue
-                queue.submit((i, t + 1), e.context)
-                still.append((i, next_prompt))
-            pending = still
-            turn_no += 1
-        critical = time.perf_counter()
-    finally:
-        queue.close()
+            obs, reward, terminated, truncated, info = result
+            match = matches_reference(obs, e.reference.observations[t]) if mode == "reference" else None
+            if match is False:
+                e.aligned = False
+                first_deviation[i] = t
+            if e.aligned and t + 1 >= len(e.reference.observations):
+                e.aligned = False  # the reference ended: nothing left to follow
+            matches[i].append(match)
+            turn.observation, turn.reward = obs, float(reward)
+            turn.terminated, turn.truncated = bool(terminated), bool(truncated)
+            turn.info = {**_safe_info(info), "actfirst_mode": mode, "transition_match": match}
+            e.traj.success = bool(info.get("success", False))
+            if terminated or truncated:
+                e.traj.end_reason = "success" if e.traj.success else ("failure" if terminated else "truncated")
+                ended_at[i] = time.perf_counter()
+                continue
+            next_prompt = standard_prompt_ids(fmt, tokenizer, obs)
+            # c_{t+1} = c_t a_t close o_t: the state-grounded view closes every action this way.
+            e.history = e.context + turn.executed_action_ids + [fmt.im_end_id, *fmt.newline_ids]
+            e.context = e.history + next_prompt
+            e.observation = obs
+            if len(e.context) + ep.max_new_tokens > ep.max_context_tokens:
+                e.traj.end_reason = "context_limit"
+                ended_at[i] = time.perf_counter()
+                continue
+            add_full(i, t + 1, e.context)
+            still.append((i, next_prompt))
+        pending = still
+    critical = time.perf_counter()
+    while stream:  # the full responses still in flight
+        step()
     end = time.perf_counter()
     full_tokens = 0
     for i, e in enumerate(episodes):
         for t, turn in enumerate(e.traj.turns):
-            completion = queue.results[(i, t)]
+            completion = full_results[(i, t)]
             turn.response_ids, turn.response_logprobs = list(completion.response_ids), list(completion.logprobs)
             turn.action_start, turn.action_end = fmt.action_span(turn.response_ids)
             full_tokens += len(turn.response_ids)
     stats = ActFirstStats(
         modes=modes, matches=matches, first_deviation=first_deviation,
         has_reference=[e.reference is not None for e in episodes], ended_at=ended_at,
-        full_queued_at=[[queue.queued_at[(i, t)] for t in range(len(e.traj.turns))] for i, e in enumerate(episodes)],
-        full_started_at=[[queue.started_at[(i, t)] for t in range(len(e.traj.turns))] for i, e in enumerate(episodes)],
-        fast_latencies_s=fast_latencies, full_latencies_s=queue.call_latencies_s, full_call_sizes=queue.call_sizes,
-        fast_tokens=fast_tokens, full_tokens=full_tokens, critical_path_s=critical - start, drain_s=end - critical,
+        full_queued_at=[[full_queued_at[(i, t)] for t in range(len(e.traj.turns))] for i, e in enumerate(episodes)],
+        full_finished_at=[[full_finished_at[(i, t)] for t in range(len(e.traj.turns))] for i, e in enumerate(episodes)],
+        fast_latencies_s=fast_latencies, full_latencies_s=full_latencies,
+        stream_steps=getattr(stream, "steps", 0), stream_row_steps=getattr(stream, "row_steps", 0),
+        fast_tokens=fast_tokens, full_tokens=full_tokens, critical_path_s=critical - start, critical_path_end=critical, drain_s=end - critical,
         generation_s=end - start,
     )
     return [e.traj for e in episodes], stats

@@ -249,7 +249,8 @@ def _teacher_player(cfg: Any, log: Callable[[str], None]) -> Callable[[list[str]
     from opd.runtime.driver import resolve_model_path
 
     path = resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, log)
-    engine = make_engine(cfg.teacher.engine, path, cfg.teacher.dtype, cfg.teacher.trust_remote_code)
+    engine = make_engine(cfg.teacher.engine, path, cfg.teacher.dtype, cfg.teacher.trust_remote_code,
+                         cfg.teacher.prefix_cache_mb)
     tokenizer = load_tokenizer(path, cfg.teacher.trust_remote_code)
     fmt = ChatFormat.from_tokenizer(tokenizer)
     settings = EpisodeSettings(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0,

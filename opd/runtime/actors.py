@@ -40,7 +40,8 @@ class _PolicyHost:
         from opd.generation import make_engine
         from opd.models import load_tokenizer
 
-        self.engine = make_engine(model_cfg["engine"], path, model_cfg["dtype"], model_cfg["trust_remote_code"])
+        self.engine = make_engine(model_cfg["engine"], path, model_cfg["dtype"], model_cfg["trust_remote_code"],
+                                  model_cfg.get("prefix_cache_mb", 0.0))
         self.tokenizer = load_tokenizer(path, model_cfg["trust_remote_code"])
         self.fmt = ChatFormat.from_tokenizer(self.tokenizer)
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from opd.generation.base import branch_attention_mask
 from opd.losses import combined_loss
 from opd.models import load_model, load_tokenizer, save_model
 from opd.trajectory import TokenBatch
@@ -66,7 +67,12 @@ def student_logprobs(model, batch: TokenBatch, temperature: float = 1.0) -> tupl
     ``temperature`` is the rollout's sampling temperature, so that the trained policy is the one
     that sampled the tokens (the behaviour logprobs are of ``softmax(logits / temperature)``).
     """
-    logits_BTV = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits.float()
+    if batch.branch_ids_BT is None:
+        logits_BTV = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits.float()
+    else:  # packed rows: a trunk and branches, one forward (see TokenBatch.branch_ids_BT)
+        mask_B1TT = branch_attention_mask(batch.branch_ids_BT, batch.attention_mask_BT.bool())
+        logits_BTV = model(input_ids=batch.input_ids_BT, attention_mask=mask_B1TT,
+                           position_ids=batch.position_ids_BT).logits.float()
     logp_BTV = torch.log_softmax(logits_BTV[:, :-1] / temperature, dim=-1)
     picked_BT = logp_BTV.gather(2, batch.input_ids_BT[:, 1:, None]).squeeze(2)
     zeros_B1V = torch.zeros_like(logp_BTV[:, :1])
@@ -193,6 +199,8 @@ class StudentTrainer:
         metrics_sum["nonfinite_loss"] = float(nonfinite > 0)
         metrics_sum["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
         metrics_sum["train_tokens"] = float(batch.loss_mask_BT.sum())
+        metrics_sum["train_rows"] = float(len(batch))
+        metrics_sum["train_row_tokens"] = float(batch.attention_mask_BT.sum())  # what the forward computes
         metrics_sum["learning_rate"] = float(self.engine.get_lr()[0])
         metrics_sum["time/train_inner_s"] = time.perf_counter() - start
         return metrics_sum

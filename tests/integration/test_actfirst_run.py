@@ -36,8 +36,8 @@ def test_actfirst_two_steps_and_the_ablation(tmp_path, ray_session):
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert math.isfinite(r["loss"]) and r["nonfinite_loss"] == 0.0 and r["reverse_kl_per_token"] > 0
-        # One training row, and one full response queued while its episode lived, per turn.
-        assert r["train_rows"] == r["turns_per_episode"] * 8 == r["actfirst/full_requests"]
+        # One full response added while its episode lived per turn; one packed row per episode.
+        assert r["turns_per_episode"] * 8 == r["actfirst/full_requests"] and r["train_rows"] == 8
         assert r["actfirst/late_full_requests"] == 0.0
         # Every episode starts aligned with its expert reference: turn 0's prompt shows o_ref(1).
         assert r["actfirst/reference_prompt_share"] >= 1 / r["turns_per_episode"] - 1e-9
@@ -46,6 +46,7 @@ def test_actfirst_two_steps_and_the_ablation(tmp_path, ray_session):
         assert 0 < l_fast < l_full  # 4-token actions against 16-token think-then-act responses
         assert r["actfirst/s_ideal"] == pytest.approx(T * l_full / ((T - 1) * l_fast + l_full))
         assert r["time/generation_s"] >= r["time/critical_path_s"] > 0
+        assert r["actfirst/stream_rows_mean"] > 8  # full responses shared the fast turns' decode steps
         assert r["train_tokens"] == r["actfirst/full_tokens"]  # the loss covers the full responses only
     assert steps[0]["time/references_s"] > steps[1]["time/references_s"]  # built in step 1, read in step 2
     assert steps[1]["loss"] != steps[0]["loss"]
@@ -59,4 +60,4 @@ def test_actfirst_two_steps_and_the_ablation(tmp_path, ray_session):
                  "actfirst.inverse_dynamics=false", "run.total_steps=1"]) == 0
     (ablation,) = _steps(tmp_path / "ablation")
     assert ablation["actfirst/reference_prompt_share"] == 0.0 and "actfirst/alignment_rate" not in ablation
-    assert ablation["train_rows"] == ablation["actfirst/full_requests"] and math.isfinite(ablation["loss"])
+    assert ablation["train_rows"] == 8 and math.isfinite(ablation["loss"])

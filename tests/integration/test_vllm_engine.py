@@ -112,6 +112,25 @@ def test_stop_strings_end_the_response_at_the_same_token_as_hf(vllm_engine, toke
     assert len(vllm_out.logprobs) == end + 1
 
 
+def test_stream_requests_joining_mid_flight_equal_greedy_generate(vllm_engine, tokenizer, fmt):
+    prompts = _prompts(tokenizer, fmt)
+    greedy = [SamplingParams(max_new_tokens=b, temperature=0, stop_token_ids=(fmt.im_end_id,)) for b in (7, 3, 10)]
+    stream = vllm_engine.stream(seed=0)
+    stream.add("a", prompts[0], greedy[0])
+    out, steps = {}, 0
+    while stream or steps < 3:
+        if steps == 2:  # joins while "a" is decoding
+            stream.add("b", prompts[1], greedy[1])
+            stream.add("c", prompts[2], greedy[2])
+        out.update(stream.step())
+        steps += 1
+    assert sorted(out) == ["a", "b", "c"] and len(stream) == 0
+    for key, prompt, params in zip("abc", prompts, greedy):
+        alone = vllm_engine.generate([prompt], params)[0]
+        assert out[key].response_ids == alone.response_ids and out[key].finish_reason == alone.finish_reason
+        assert max(abs(x - y) for x, y in zip(out[key].logprobs, alone.logprobs)) <= PARITY_TOL
+
+
 def test_weight_sync_gives_the_updated_models_logprobs(vllm_engine, tokenizer, fmt, tiny_model_dir):
     """In place, no restart: after the sync vLLM scores like the updated model, not the old one."""
     import time

@@ -9,8 +9,6 @@ keeps the prompts it was given.
 
 from __future__ import annotations
 
-import threading
-
 import gymnasium
 import pytest
 import torch
@@ -18,7 +16,6 @@ import torch
 from environments.frozenlake import FrozenLakeTextEnv
 from opd.chat import render_context
 from opd.envs import EnvFactory
-from opd.generation.base import SamplingParams
 from opd.generation.hf import HFEngine
 from opd.models import load_model
 from opd.rollout.actfirst import (ACTION_ONLY_INSTRUCTION, REFERENCE_HEADER, ActFirstSettings, ActFirstStats,
@@ -45,17 +42,22 @@ for _id, _cls in (("opd-test/AnyTransitionLake-v0", AnyTransitionLake),):
 
 
 class RecordingEngine(HFEngine):
-    """The real HF engine, also keeping every (prompt, max_new_tokens) it was asked for."""
+    """The real HF engine, also keeping every (prompt, max_new_tokens) added to its streams."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.calls: list[tuple[list[int], int]] = []
-        self._lock = threading.Lock()
 
-    def generate(self, prompts, params):
-        with self._lock:
-            self.calls += [(list(p), params.max_new_tokens) for p in prompts]
-        return super().generate(prompts, params)
+    def stream(self, seed=0):
+        stream = super().stream(seed)
+        add = stream.add
+
+        def recording_add(key, prompt_ids, params):
+            self.calls.append((list(prompt_ids), params.max_new_tokens))
+            add(key, prompt_ids, params)
+
+        stream.add = recording_add
+        return stream
 
 
 @pytest.fixture(scope="module")
@@ -96,23 +98,6 @@ def test_comparator_is_looked_up_from_the_registered_entry_point():
     assert TransitionCheck("exact", "opd/FrozenLakeText-v0").resolve() is exact_match
     with pytest.raises(ValueError, match="actfirst.transition_check.*FrozenLakeTextEnv.*transition_matches"):
         TransitionCheck("env", "opd/FrozenLakeText-v0").resolve()  # a string entry point, imported
-
-
-def test_concurrent_generate_calls_on_one_hf_engine_equal_serial_ones(tiny_model_dir, fmt):
-    engine = HFEngine(load_model(tiny_model_dir), pad_id=fmt.pad_id)
-    prompts_a = [[fmt.im_start_id, 5 + i, 9, 12] for i in range(6)]
-    prompts_b = [[fmt.im_start_id, 40 + i] * 3 for i in range(3)]
-    long = SamplingParams(max_new_tokens=24, temperature=1.0, seed=3)
-    short = SamplingParams(max_new_tokens=4, temperature=0.0, seed=1)
-    serial = (engine.generate(prompts_a, long), [engine.generate(prompts_b, short) for _ in range(5)])
-    out: dict[str, object] = {}
-    thread = threading.Thread(target=lambda: out.setdefault("a", engine.generate(prompts_a, long)))
-    thread.start()
-    out["b"] = [engine.generate(prompts_b, short) for _ in range(5)]
-    thread.join()
-    assert [c.response_ids for c in out["a"]] == [c.response_ids for c in serial[0]]
-    assert [lp for c in out["a"] for lp in c.logprobs] == pytest.approx([lp for c in serial[0] for lp in c.logprobs])
-    assert [[c.response_ids for c in call] for call in out["b"]] == [[c.response_ids for c in call] for call in serial[1]]
 
 
 def test_first_failed_check_switches_the_episode_to_autonomous_prompts(engine, tokenizer, fmt):
@@ -167,7 +152,7 @@ def test_full_requests_are_queued_while_the_episode_lives_in_its_state_grounded_
     for i, traj in enumerate(trajs):
         assert len(stats.full_queued_at[i]) == len(traj.turns)
         assert all(queued <= stats.ended_at[i] for queued in stats.full_queued_at[i])
-        assert all(q <= s for q, s in zip(stats.full_queued_at[i], stats.full_started_at[i]))
+        assert all(q < f for q, f in zip(stats.full_queued_at[i], stats.full_finished_at[i]))
         for t, turn in enumerate(traj.turns):
             context = render_context(traj, t, "state_grounded", fmt)
             assert context in full_prompts  # sampled from exactly the context the teacher will see
@@ -175,8 +160,10 @@ def test_full_requests_are_queued_while_the_episode_lives_in_its_state_grounded_
             assert turn.action_ids == turn.executed_action_ids
             assert turn.action_text == tokenizer.decode(turn.executed_action_ids, skip_special_tokens=True)
             assert len(turn.response_ids) == len(turn.response_logprobs) > 0
-    # Full requests overlapped with later turns: some were queued before the last env step.
-    assert min(min(q) for q in stats.full_queued_at) < max(stats.ended_at)
+    # Full requests overlapped with later turns: some finished before the last env step, and
+    # the stream's steps carried more rows than the fast turns alone.
+    assert min(min(f) for f in stats.full_finished_at) < stats.critical_path_end
+    assert stats.metrics()["actfirst/stream_rows_mean"] > len(tasks)
     assert stats.metrics()["actfirst/late_full_requests"] == 0.0
 
 
@@ -198,46 +185,59 @@ def test_s_ideal_and_latency_metrics():
     assert s_ideal(1, 1.0, 10.0) == pytest.approx(1.0)
     stats = ActFirstStats(modes=[["reference", "reference", "autonomous"], ["reference"]], matches=[[True, False, None], [True]],
                           first_deviation=[1, None], has_reference=[True, True], ended_at=[5.0, 5.0],
-                          full_queued_at=[[1.0, 2.0, 3.0], [1.0]], full_started_at=[[1.0, 2.0, 3.0], [1.0]],
-                          fast_latencies_s=[0.1, 0.3], full_latencies_s=[2.0], full_call_sizes=[4], fast_tokens=8,
-                          full_tokens=40, critical_path_s=1.0, drain_s=0.5, generation_s=1.5)
+                          full_queued_at=[[1.0, 2.0, 3.0], [1.0]], full_finished_at=[[3.0, 4.0, 5.0], [3.0]],
+                          fast_latencies_s=[0.1, 0.3], full_latencies_s=[2.0], stream_steps=10, stream_row_steps=45,
+                          fast_tokens=8, full_tokens=40, critical_path_s=1.0, critical_path_end=4.0, drain_s=0.5,
+                          generation_s=1.5)
     m = stats.metrics()
     assert m["actfirst/alignment_rate_turn_0"] == 1.0 and m["actfirst/alignment_rate_turn_1"] == 0.0
     assert m["actfirst/alignment_rate"] == pytest.approx(2 / 4)
     assert m["actfirst/first_deviation_turn"] == 1.0 and m["actfirst/deviated_share"] == 0.5
     assert m["latency/fast_s"] == pytest.approx(0.2) and m["latency/full_s"] == 2.0 and m["actfirst/turns"] == 2.0
     assert m["actfirst/s_ideal"] == pytest.approx(2 * 2.0 / (0.2 + 2.0))
+    assert m["actfirst/stream_rows_mean"] == 4.5
 
 
-def test_one_training_row_per_turn_with_loss_on_the_full_response(engine, tokenizer, fmt, tiny_model_dir):
-    from opd.algorithms.actfirst_opd import build_turn_batch
+def test_one_packed_row_per_episode_trains_each_full_response_as_its_own_row_would(engine, tokenizer, fmt,
+                                                                                  tiny_model_dir):
+    from opd.algorithms.actfirst_opd import build_episode_batch
     from opd.supervision.teacher_view import score_trajectories
+    from opd.training.trainer import student_logprobs
+    from opd.trajectory import TokenBatch
 
-    trajs, _ = run_actfirst_episodes(engine, EnvFactory("opd/FrozenLakeText-v0", KWARGS), _tasks(2), {}, tokenizer,
+    trajs, _ = run_actfirst_episodes(engine, EnvFactory("opd/FrozenLakeText-v0", KWARGS), _tasks(3), {}, tokenizer,
                                      fmt, _settings(), seed=4)
+    assert max(len(t.turns) for t in trajs) >= 2
     teacher = HFEngine(load_model(tiny_model_dir), pad_id=fmt.pad_id)
     scores = score_trajectories(teacher, trajs, "state_grounded", fmt, mode="topk", top_k=4)
-    batch = build_turn_batch(trajs, scores, fmt.pad_id, fmt)
-    turns = [(traj, t) for traj in trajs for t in range(len(traj.turns))]
-    assert len(batch) == len(turns)
-    flat = {id(traj): 0 for traj in trajs}
-    for r, (traj, t) in enumerate(turns):
-        context, response = render_context(traj, t, "state_grounded", fmt), traj.turns[t].response_ids
-        n = len(context) + len(response)
-        assert batch.input_ids_BT[r, :n].tolist() == context + response
-        mask = batch.loss_mask_BT[r]
-        assert mask[len(context) : n].eq(1).all() and mask.sum() == len(response)
-        # The teacher's scores of y_t, scored in one packed forward per trajectory, sit on y_t.
-        score = scores[trajs.index(traj)]
-        lo = flat[id(traj)]
-        assert batch.teacher_logprobs_BT[r, len(context) : n].tolist() == pytest.approx(score.logprobs[lo : lo + len(response)])
-        assert torch.equal(batch.teacher_topk_ids_BTK[r, len(context) : n], score.topk_ids[lo : lo + len(response)])
-        flat[id(traj)] += len(response)
-    # An unpacked forward of row r's own sequence gives the same teacher logprobs.
-    from opd.supervision.teacher_view import naive_requests
-
-    naive = teacher.score(naive_requests(trajs[0], "state_grounded", fmt))
-    assert batch.teacher_logprobs_BT[0, batch.loss_mask_BT[0] > 0].tolist() == pytest.approx(naive[0].logprobs, abs=1e-4)
+    batch = build_episode_batch(trajs, scores, fmt.pad_id, fmt)
+    assert len(batch) == len(trajs)
+    # The reference: one plain row per turn, c_t then y_t.
+    rows = []
+    for traj in trajs:
+        for t, turn in enumerate(traj.turns):
+            context = render_context(traj, t, "state_grounded", fmt)
+            n = len(context) + len(turn.response_ids)
+            rows.append({"input_ids": context + turn.response_ids, "attention_mask": [1] * n,
+                         "loss_mask": [0.0] * len(context) + [1.0] * len(turn.response_ids)})
+    plain = TokenBatch.from_rows(rows, fmt.pad_id)
+    student = load_model(tiny_model_dir)
+    with torch.no_grad():
+        packed_lp = student_logprobs(student, batch)[0][batch.loss_mask_BT > 0]
+        plain_lp = student_logprobs(student, plain)[0][plain.loss_mask_BT > 0]
+    # Same tokens trained, in the same order (episode by episode, turn by turn), same logprobs.
+    assert batch.input_ids_BT[batch.loss_mask_BT > 0].tolist() == plain.input_ids_BT[plain.loss_mask_BT > 0].tolist()
+    torch.testing.assert_close(packed_lp, plain_lp, atol=1e-5, rtol=0)
+    # Behaviour logprobs, the teacher's scores and the turn index sit on the same tokens.
+    assert batch.behaviour_logprobs_BT[batch.loss_mask_BT > 0].tolist() == pytest.approx(
+        [lp for traj in trajs for turn in traj.turns for lp in turn.response_logprobs])
+    assert batch.teacher_logprobs_BT[batch.loss_mask_BT > 0].tolist() == pytest.approx(
+        [lp for score in scores for lp in score.logprobs])
+    assert torch.equal(batch.teacher_topk_ids_BTK[batch.loss_mask_BT > 0], torch.cat([s.topk_ids for s in scores]))
+    assert batch.turn_index_BT[batch.loss_mask_BT > 0].tolist() == [t for traj in trajs for t, turn in enumerate(traj.turns)
+                                                                    for _ in turn.response_ids]
+    # The packed rows are shorter than the turn rows they replace.
+    assert int(batch.attention_mask_BT.sum()) < int(plain.attention_mask_BT.sum())
 
 
 # ----- bootstrap targets ----------------------------------------------------------------------

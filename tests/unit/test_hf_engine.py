@@ -108,3 +108,124 @@ def test_stop_strings_need_a_tokenizer(tokenizer, fmt, tiny_model_dir):
     engine = HFEngine(HFEngine.from_pretrained(tiny_model_dir).model, pad_id=fmt.pad_id)
     with pytest.raises(ValueError, match="stop strings need the engine's tokenizer"):
         engine.generate(_prompts(tokenizer), SamplingParams(max_new_tokens=4, stop=("up",)))
+
+
+# -- the stream (continuous batching) ---------------------------------------------------------
+def _run_stream(stream, arrivals):
+    """``arrivals[k]``: the (key, prompt, params) added before step k; steps until all finished."""
+    out, k = {}, 0
+    while stream or k < len(arrivals):
+        for key, prompt, params in arrivals[k] if k < len(arrivals) else []:
+            stream.add(key, prompt, params)
+        k += 1
+        out.update(stream.step())
+    return out
+
+
+def test_stream_rows_that_join_mid_flight_decode_exactly_as_alone(tokenizer, fmt, tiny_model_dir):
+    engine = HFEngine.from_pretrained(tiny_model_dir)
+    prompts = _prompts(tokenizer) + [list(range(5, 70))]
+    budgets = [9, 3, 12, 6, 10]
+    greedy = [SamplingParams(max_new_tokens=b, temperature=0, stop_token_ids=(fmt.im_end_id,)) for b in budgets]
+    # Rows arrive at steps 0, 0, 2, 5 and 6: each joins a batch of another width and cache length.
+    arrivals = [[(0, prompts[0], greedy[0]), (1, prompts[1], greedy[1])], [], [(2, prompts[2], greedy[2])], [], [],
+                [(3, prompts[3], greedy[3])], [(4, prompts[4], greedy[4])]]
+    stream = engine.stream()
+    out = _run_stream(stream, arrivals)
+    assert sorted(out) == [0, 1, 2, 3, 4] and len(stream) == 0
+    for i, (prompt, params) in enumerate(zip(prompts, greedy)):
+        alone = engine.generate([prompt], params)[0]
+        assert out[i].response_ids == alone.response_ids and out[i].finish_reason == alone.finish_reason
+        torch.testing.assert_close(torch.tensor(out[i].logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+    assert stream.row_steps > stream.steps  # rows shared steps
+
+
+def test_stream_samples_are_reproducible_with_behaviour_logprobs(tokenizer, fmt, tiny_model_dir):
+    engine = HFEngine.from_pretrained(tiny_model_dir)
+    prompts = _prompts(tokenizer)
+    params = SamplingParams(max_new_tokens=8, temperature=0.8, stop_token_ids=(fmt.im_end_id,))
+    arrivals = [[(i, p, params)] for i, p in enumerate(prompts)]  # one joins per step
+    first, again, other = (_run_stream(engine.stream(seed), arrivals) for seed in (3, 3, 4))
+    assert {k: c.response_ids for k, c in first.items()} == {k: c.response_ids for k, c in again.items()}
+    assert {k: c.response_ids for k, c in first.items()} != {k: c.response_ids for k, c in other.items()}
+    for i, prompt in enumerate(prompts):
+        completion = first[i]
+        ids = prompt + completion.response_ids
+        n = len(ids)
+        with torch.no_grad():
+            logits = engine.model(torch.tensor([ids])).logits[0, len(prompt) - 1 : n - 1]
+        picked = torch.log_softmax(logits / 0.8, -1).gather(1, torch.tensor(completion.response_ids)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), picked, atol=1e-4, rtol=0)
+
+
+def test_stream_stop_strings_and_bad_requests(tokenizer, tiny_model_dir):
+    engine = HFEngine.from_pretrained(tiny_model_dir)
+    prompt = _prompts(tokenizer)[0]
+    free = engine.generate([prompt], SamplingParams(max_new_tokens=16, temperature=0))[0]
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    k = next(k for k in range(3, 16) if len(decode(free.response_ids[:k])) > len(decode(free.response_ids[: k - 1])))
+    stop = decode(free.response_ids[:k])  # first completed by token k
+    stream = engine.stream()
+    stream.add("s", prompt, SamplingParams(max_new_tokens=16, temperature=0, stop=(stop,)))
+    (key, completion), = _drain(stream).items()
+    assert key == "s" and completion.finish_reason == "stop"
+    assert completion.response_ids == free.response_ids[:k]
+    with pytest.raises(ValueError, match="n=2"):
+        stream.add("n", prompt, SamplingParams(max_new_tokens=4, n=2))
+    with pytest.raises(ValueError, match="empty prompt"):
+        stream.add("e", [], SamplingParams(max_new_tokens=4))
+
+
+def _drain(stream):
+    out = {}
+    while stream:
+        out.update(stream.step())
+    return out
+
+
+def test_prefix_cache_reuses_the_kv_of_prompts_that_a_prompt_extends(tokenizer, fmt, tiny_model_dir):
+    cold = HFEngine.from_pretrained(tiny_model_dir)
+    warm = HFEngine.from_pretrained(tiny_model_dir, prefix_cache_mb=16)
+    base = [list(range(5, 40)), list(range(50, 90)), list(range(100, 120))]
+    longer = [base[0] + [7, 8, 9], base[1] + list(range(3, 30)), list(range(200, 230)), base[2]]  # extends, extends, new, same
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    warm.generate(base, greedy)
+    assert len(warm.prefixes) == 3 and warm.prefixes.hits == 0
+    out = warm.generate(longer, greedy)
+    assert warm.prefixes.hits == 3  # the new prompt had nothing to reuse
+    assert warm.prefixes.reused_tokens == len(base[0]) + len(base[1]) + len(base[2]) - 1  # the same prompt: all but its last
+    for got, want in zip(out, cold.generate(longer, greedy)):
+        assert got.response_ids == want.response_ids
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
+    # New weights make the cached KV stale: the cache is dropped.
+    warm.update_weights({k: v + 0.01 for k, v in warm.state_dict().items() if k.endswith("norm.weight")})
+    assert len(warm.prefixes) == 0
+
+
+def test_prefix_cache_keeps_within_its_budget(tiny_model_dir):
+    engine = HFEngine.from_pretrained(tiny_model_dir, prefix_cache_mb=0.05)  # ~52 KB: a few 40-token prompts
+    for start in range(0, 2000, 40):
+        engine.generate([list(range(start % 250 + 3, start % 250 + 43))], SamplingParams(max_new_tokens=1))
+    assert 0 < len(engine.prefixes) < 50 and engine.prefixes._bytes <= 0.05 * 2**20
+
+
+def test_stream_under_churn_grows_and_compacts_without_changing_any_result(fmt, tiny_model_dir):
+    """40 requests of 3-150 prompt tokens joining at random steps: the buffer gains slots,
+    room on the left (a prompt longer than any before) and on the right, and compacts when
+    most slots are free; every greedy result still equals the request decoded alone."""
+    import random
+
+    engine = HFEngine.from_pretrained(tiny_model_dir)
+    rng = random.Random(0)
+    requests = [(k, [rng.randrange(3, 290) for _ in range(rng.choice([3, 20, 60, 150]))],
+                 SamplingParams(max_new_tokens=rng.choice([1, 4, 30]), temperature=0)) for k in range(40)]
+    arrivals = [[] for _ in range(60)]
+    for request in requests:
+        arrivals[0 if request[0] < 24 else rng.randrange(1, 60)].append(request)
+    stream = engine.stream()
+    out = _run_stream(stream, arrivals)
+    assert sorted(out) == list(range(40))
+    for key, prompt, params in requests:
+        alone = engine.generate([prompt], params)[0]
+        assert out[key].response_ids == alone.response_ids, key
+        torch.testing.assert_close(torch.tensor(out[key].logprobs), torch.tensor(alone.logprobs), atol=1e-4, rtol=0)
