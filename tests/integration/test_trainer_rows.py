@@ -1,7 +1,7 @@
 """The DeepSpeed trainer (CPU, gloo, in this process) takes a batch of any number of rows.
 
-ActFirst trains one row per turn and PivotOPD adds recovery rows, so a step's batch is not
-always ``rollout.episodes_per_step`` rows. The accumulated gradient must still be the whole
+PivotOPD adds recovery rows, so a step's batch is not always ``rollout.episodes_per_step``
+rows; ActFirst's rows are packed (a trunk with response branches, branch attention). The accumulated gradient must still be the whole
 batch's: the trainer's reported loss and pre-clip gradient norm are compared with a plain
 PyTorch forward/backward of the same loss over the whole batch.
 """
@@ -37,8 +37,45 @@ def _batch(tokenizer, fmt, rows: int, seed: int):
     return TokenBatch.from_rows(data, fmt.pad_id)
 
 
-@pytest.mark.parametrize("rows", [3, 5, 8, 11])
-def test_any_row_count_gives_the_whole_batch_gradient(rows, tokenizer, fmt, tiny_model_dir):
+def _packed(batch, gen):
+    """Each row made a packed one: its response a branch, then two trunk tokens and a second
+    branch (which sees the trunk, not the first branch), with positions that skip branches."""
+    from dataclasses import replace
+
+    from opd.trajectory import TokenBatch
+
+    rows = []
+    for r in range(len(batch)):
+        n = int(batch.attention_mask_BT[r].sum())
+        ids = batch.input_ids_BT[r, :n].tolist()
+        loss = batch.loss_mask_BT[r, :n].tolist()
+        start = loss.index(1.0)
+        second = torch.randint(5, 250, (3,), generator=gen).tolist()
+        trunk_tail = torch.randint(5, 250, (2,), generator=gen).tolist()
+        rows.append({
+            "input_ids": ids + trunk_tail + second,
+            "position_ids": list(range(start)) + list(range(start, n)) + list(range(start, start + 2))
+            + list(range(start + 2, start + 5)),
+            "branch_ids": [0] * start + [1] * (n - start) + [0, 0] + [2, 2, 2],
+            "loss_mask": loss + [0.0, 0.0] + [1.0, 1.0, 1.0],
+            "behaviour_logprobs": batch.behaviour_logprobs_BT[r, :n].tolist() + [0.0, 0.0, -1.0, -2.0, -0.5],
+            "teacher_logprobs": batch.teacher_logprobs_BT[r, :n].tolist() + [0.0, 0.0, -0.7, -1.5, -2.5],
+            "turn_index": batch.turn_index_BT[r, :n].tolist() + [-1, -1, 1, 1, 1],
+        })
+    out = TokenBatch.from_rows([{**r, "attention_mask": [1] * len(r["input_ids"])} for r in rows], 0)
+    width = out.input_ids_BT.shape[1]
+
+    def pad(key):
+        t = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            t[i, : len(r[key])] = torch.tensor(r[key])
+        return t
+
+    return replace(out, position_ids_BT=pad("position_ids"), branch_ids_BT=pad("branch_ids"))
+
+
+@pytest.mark.parametrize("rows,packed", [(3, False), (5, False), (8, False), (11, False), (5, True)])
+def test_any_row_count_gives_the_whole_batch_gradient(rows, packed, tokenizer, fmt, tiny_model_dir):
     from opd.losses import combined_loss
     from opd.models import load_model
     from opd.training.trainer import StudentTrainer, token_logprobs
@@ -46,6 +83,8 @@ def test_any_row_count_gives_the_whole_batch_gradient(rows, tokenizer, fmt, tiny
     cfg = OmegaConf.structured(TrainerConfig(learning_rate=1e-3, micro_batch_size=2, zero_stage=1, grad_clip_norm=1e9))
     terms = [("reverse_kl", 1.0, {})]
     batch = _batch(tokenizer, fmt, rows, seed=rows)
+    if packed:
+        batch = _packed(batch, torch.Generator().manual_seed(rows))
 
     model = load_model(tiny_model_dir)
     loss, _ = combined_loss(batch.with_totals().with_student(token_logprobs(model, batch)), terms)
