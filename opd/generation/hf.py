@@ -260,7 +260,8 @@ class HFStream:
     order of ``add`` and ``step`` calls alone, so a stream is reproducible; its samples differ
     from ``generate``'s for the same seed (the generator's draws are shared differently).
 
-    ``params.n`` must be 1 (add a request per sample).
+    ``params.n`` must be 1 (add a request per sample). The number of live requests is not
+    capped (``max_batch_size`` applies to ``generate``): the caller bounds it.
 
     Example:
         >>> stream = engine.stream(seed=0)  # doctest: +SKIP
@@ -544,7 +545,8 @@ class PrefixCache:
     def longest(self, prompt: list[int]) -> tuple[int, list | None]:
         """``(n, kv)``: the longest cached prompt that starts ``prompt``, usable for its first
         ``n`` tokens (at most ``len(prompt) - 1``: the last token is computed for its logits);
-        ``(0, None)`` when none."""
+        ``(0, None)`` when none. A linear scan of the entries (hundreds at most for the
+        default budget and a tiny model; a trie would scale further)."""
         best = None
         for key in reversed(self._entries):
             if len(key) <= len(prompt) and (best is None or len(key) > len(best)) and tuple(prompt[: len(key)]) == key:
