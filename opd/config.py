@@ -176,6 +176,7 @@ class RunConfig:
     output_dir: str = "runs/default"  # run directory
     eval_every_steps: int = 0  # 0: evaluate only before and after training
     eval_episodes: int = 100  # held-out episodes per evaluation (greedy)
+    eval_history: str = "auto"  # what past turns show: full (whole responses) | state_grounded (actions only) | auto
     save_every_steps: int = 25  # checkpoint cadence; 0: only at the end
     keep_checkpoints: int = 2  # newest complete checkpoints kept
     log_every_steps: int = 1  # terminal log cadence
@@ -360,6 +361,11 @@ def validate(cfg: Any, source: str = "config") -> None:
     ]:
         _check_positive(value, key, source)
     _check_positive(rollout.temperature, "rollout.temperature", source, allow_zero=True)
+    _check_choice(run.eval_history, ("auto", "full", "state_grounded"), "run.eval_history", source)
+    if run.eval_history == "auto":  # resolved here, so config.yaml records what ran
+        # ActFirst trains its full responses after contexts of actions and observations only;
+        # it is evaluated in that format (think-then-act, no reference).
+        run.eval_history = "state_grounded" if cfg.algorithm == "actfirst_opd" else "full"
     _check_positive(rollout.group_size, "rollout.group_size", source)
     if rollout.episodes_per_step % rollout.group_size:
         raise ConfigError(f"{source}: key 'rollout.group_size' ({rollout.group_size}) must divide "

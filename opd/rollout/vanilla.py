@@ -37,6 +37,7 @@ class EpisodeSettings:
     system_prompt: str = ""
     env_isolation: str = "subprocess"  # subprocess | inprocess (see opd.rollout.env_pool)
     env_timeout_s: float = 60.0
+    history: str = "full"  # full: past turns keep their whole response | state_grounded: their action only
 
 
 def _safe_info(info: dict) -> dict:
@@ -115,7 +116,8 @@ def run_episodes(
                 trajs[i].end_reason = "success" if trajs[i].success else ("failure" if terminated else "truncated")
                 continue
             next_prompt = next_prompt_ids(fmt, tokenizer, obs)
-            contexts[i] += turn.response_ids + fmt.close_ids(turn.response_ids) + next_prompt
+            shown, closing = fmt.shown_and_close_ids(turn, settings.history)
+            contexts[i] += shown + closing + next_prompt
             if len(contexts[i]) + settings.max_new_tokens > settings.max_context_tokens:
                 trajs[i].end_reason = "context_limit"
                 continue

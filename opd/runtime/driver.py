@@ -170,7 +170,7 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
                     env_timeout_s=cfg.env.timeout_s)
     ctx = RunContext(cfg, workers, env_factory, train_tasks, eval_tasks,
                      EpisodeSettings(temperature=cfg.rollout.temperature, **settings),
-                     EpisodeSettings(temperature=0.0, **settings), fmt)
+                     EpisodeSettings(temperature=0.0, history=cfg.run.eval_history, **settings), fmt)
     algorithm = get_algorithm(cfg.algorithm)
 
     state: dict[str, Any] = {"step": 0, "train_time_s": 0.0, "evals": []}

@@ -59,6 +59,10 @@ class RecordingEngine(HFEngine):
         stream.add = recording_add
         return stream
 
+    def generate(self, prompts, params):
+        self.calls += [(list(p), params.max_new_tokens) for p in prompts]
+        return super().generate(prompts, params)
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, fmt):
@@ -238,6 +242,29 @@ def test_one_packed_row_per_episode_trains_each_full_response_as_its_own_row_wou
                                                                     for _ in turn.response_ids]
     # The packed rows are shorter than the turn rows they replace.
     assert int(batch.attention_mask_BT.sum()) < int(plain.attention_mask_BT.sum())
+
+
+def test_evaluation_of_actfirst_shows_past_turns_as_actions_only(engine, tokenizer, fmt):
+    """ActFirst's full responses are trained after contexts of actions and observations, so it
+    is evaluated (think-then-act, greedy) in that format: ``run.eval_history`` resolves to
+    ``state_grounded`` for actfirst_opd, ``full`` otherwise."""
+    from pathlib import Path
+
+    from opd.config import ConfigError, load_config
+    from opd.rollout.vanilla import run_episodes
+
+    recipe = Path(__file__).resolve().parents[1] / "data" / "actfirst_tiny.yaml"
+    assert load_config(recipe, []).run.eval_history == "state_grounded"
+    assert load_config(recipe, ["algorithm=vanilla_opd"]).run.eval_history == "full"
+    assert load_config(recipe, ["run.eval_history=full"]).run.eval_history == "full"
+    with pytest.raises(ConfigError, match="run.eval_history"):
+        load_config(recipe, ["run.eval_history=thoughts"])
+    engine.calls.clear()
+    settings = EpisodeSettings(max_new_tokens=FULL_BUDGET, temperature=0.0, history="state_grounded")
+    trajs = run_episodes(engine, EnvFactory("opd/FrozenLakeText-v0", KWARGS), _tasks(3), tokenizer, fmt, settings, seed=0)
+    contexts = [render_context(traj, t, "state_grounded", fmt) for traj in trajs for t in range(len(traj.turns))]
+    assert sorted(p for p, _ in engine.calls) == sorted(contexts)
+    assert max(len(traj.turns) for traj in trajs) > 1  # later turns were prompted with a history
 
 
 # ----- bootstrap targets ----------------------------------------------------------------------
