@@ -127,8 +127,9 @@ class HFEngine:
         past = None
         if P:
             layers = []
-            for layer in range(len(next(kv for _, kv in hits if kv is not None))):
-                shape = next(kv for _, kv in hits if kv is not None)[layer][0].shape  # [H, L, D]
+            reused = next(kv for _, kv in hits if kv is not None)
+            for layer in range(len(reused)):
+                shape = reused[layer][0].shape  # [H, L, D]
                 keys = torch.empty((B, shape[0], P + U, shape[2]), dtype=self.prefixes.dtype, device=self.device)
                 values = torch.empty_like(keys)
                 keys[:, :, :P], values[:, :, :P] = 0.0, 0.0
@@ -461,15 +462,6 @@ def _layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def _left_pad(x: torch.Tensor, size: int, dim: int) -> torch.Tensor:
-    """``x`` zero-padded on the left of ``dim`` to ``size``."""
-    missing = size - x.shape[dim]
-    if missing == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = missing
-    return torch.cat([x.new_zeros(shape), x], dim=dim)
-
 
 class _GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys and values are views of a buffer with spare room: a
@@ -565,7 +557,7 @@ class PrefixCache:
         key = tuple(prompt)
         if len(key) < self.min_tokens or key in self._entries:
             return
-        size = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+        size = _nbytes(kv)
         if size > self.capacity_bytes:
             return
         kv = [(k.contiguous(), v.contiguous()) for k, v in kv]
@@ -574,4 +566,8 @@ class PrefixCache:
         self._bytes += size
         while self._bytes > self.capacity_bytes:
             _, old = self._entries.popitem(last=False)
-            self._bytes -= sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in old)
+            self._bytes -= _nbytes(old)
+
+
+def _nbytes(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
