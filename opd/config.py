@@ -110,6 +110,7 @@ class SupervisionConfig:
     top_k: int = 20  # ids per position for scoring: topk
     cross_tokenizer: bool = False  # teacher tokenizer differs: re-tokenise text, align spans (sampled only)
     score_batch_size: int = 16  # trajectories per teacher forward
+    score_batch_tokens: int = 4096  # cap on a teacher forward's padded tokens (HF engine); 0: no cap
 
 
 @dataclass
@@ -164,6 +165,7 @@ class TrainerConfig:
     grad_clip_norm: float = 1.0  # global gradient-norm clip
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
     micro_batch_size: int = 32  # sequences per forward/backward; must divide episodes_per_step
+    micro_batch_tokens: int = 4096  # cap on a micro-batch's padded tokens (rows x its longest row); 0: no cap
     max_nonfinite_steps: int = 3  # consecutive steps with a NaN/inf loss before the run stops
 
 
@@ -361,6 +363,8 @@ def validate(cfg: Any, source: str = "config") -> None:
     ]:
         _check_positive(value, key, source)
     _check_positive(rollout.temperature, "rollout.temperature", source, allow_zero=True)
+    _check_positive(trainer.micro_batch_tokens, "trainer.micro_batch_tokens", source, allow_zero=True)
+    _check_positive(cfg.supervision.score_batch_tokens, "supervision.score_batch_tokens", source, allow_zero=True)
     _check_choice(run.eval_history, ("auto", "full", "state_grounded"), "run.eval_history", source)
     if run.eval_history == "auto":  # resolved here, so config.yaml records what ran
         # ActFirst trains its full responses after contexts of actions and observations only;

@@ -22,7 +22,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from opd.generation.base import Completion, SamplingParams, ScoreRequest, TokenScores, branch_attention_mask, scores_from_logprobs
+from opd.generation.base import (Completion, SamplingParams, ScoreRequest, TokenScores, branch_attention_mask, length_groups,
+                                 scores_from_logprobs)
 from opd.models import load_model, load_tokenizer
 
 
@@ -175,13 +176,17 @@ class HFEngine:
     # -- scoring ----------------------------------------------------------------------------
     @torch.no_grad()
     def score(self, requests: list[ScoreRequest], batch_size: int = 16, mode: str = "sampled",
-              top_k: int = 0) -> list[TokenScores]:
+              top_k: int = 0, batch_tokens: int = 0) -> list[TokenScores]:
         """Scores of each request's targets (see :class:`TokenScores`), always at temperature 1:
-        the teacher's own distribution is the target, whatever temperature the student samples at."""
-        results: list[TokenScores] = []
-        for start in range(0, len(requests), batch_size):
-            results += self._score_batch(requests[start : start + batch_size], mode, top_k)
-        return results
+        the teacher's own distribution is the target, whatever temperature the student samples at.
+
+        A forward takes at most ``batch_size`` requests of similar lengths and, with
+        ``batch_tokens > 0``, at most that many padded tokens (see :func:`length_groups`)."""
+        results: list[TokenScores | None] = [None] * len(requests)
+        for group in length_groups([len(r.input_ids) for r in requests], batch_size, batch_tokens):
+            for i, scores in zip(group, self._score_batch([requests[i] for i in group], mode, top_k)):
+                results[i] = scores
+        return results  # type: ignore[return-value]
 
     def _score_batch(self, requests: list[ScoreRequest], mode: str, top_k: int) -> list[TokenScores]:
         B = len(requests)

@@ -113,8 +113,9 @@ class VLLMEngine:
 
     # -- scoring ----------------------------------------------------------------------------
     def score(self, requests: list[ScoreRequest], batch_size: int = 16, mode: str = "sampled",
-              top_k: int = 0) -> list[TokenScores]:
-        """Scores of each request's targets at temperature 1 (prompt logprobs)."""
+              top_k: int = 0, batch_tokens: int = 0) -> list[TokenScores]:
+        """Scores of each request's targets at temperature 1 (prompt logprobs). vLLM's scheduler
+        batches them itself: ``batch_size`` and ``batch_tokens`` are the HF engine's."""
         if mode == "full":
             raise ValueError("the vllm engine cannot return full distributions (scoring: full); "
                              "use engine: hf for a teacher colocated with the trainer, or scoring: topk")

@@ -103,9 +103,10 @@ class TeacherWorker(_PolicyHost):
         from opd.supervision.teacher_view import score_trajectories
 
         if self.cross is not None:
-            return self.cross.score(self.engine, trajs, supervision.teacher_view, supervision.score_batch_size)
+            return self.cross.score(self.engine, trajs, supervision.teacher_view, supervision.score_batch_size,
+                                    supervision.score_batch_tokens)
         return score_trajectories(self.engine, trajs, supervision.teacher_view, self.fmt, supervision.score_batch_size,
-                                  supervision.scoring, supervision.top_k)
+                                  supervision.scoring, supervision.top_k, supervision.score_batch_tokens)
 
 
 class RolloutWorker(_PolicyHost):

@@ -131,11 +131,13 @@ class CrossTokenizerScorer:
             alignment.append((student_ends, teacher_ends, len(text)))
         return replace(traj, turns=turns), alignment
 
-    def score(self, engine, trajs: list[Trajectory], view: str, batch_size: int = 16) -> list[TokenScores]:
+    def score(self, engine, trajs: list[Trajectory], view: str, batch_size: int = 16,
+              batch_tokens: int = 0) -> list[TokenScores]:
         """Teacher logprobs of every student response token, as :func:`score_trajectories` gives
         for a teacher that shares the tokenizer."""
         translated = [self.translate(traj) for traj in trajs]
-        raw = score_trajectories(engine, [t for t, _ in translated], view, self.teacher_fmt, batch_size)
+        raw = score_trajectories(engine, [t for t, _ in translated], view, self.teacher_fmt, batch_size,
+                                 batch_tokens=batch_tokens)
         out = []
         for traj, (teacher_traj, alignment), scores in zip(trajs, translated, raw):
             flat: list[float] = []

@@ -84,8 +84,8 @@ def unpack_scores(traj: Trajectory, flat: list[float]) -> list[list[float]]:
 
 
 def score_trajectories(engine, trajs: list[Trajectory], view: str, fmt: ChatFormat, batch_size: int = 16,
-                       mode: str = "sampled", top_k: int = 0) -> list[TokenScores]:
+                       mode: str = "sampled", top_k: int = 0, batch_tokens: int = 0) -> list[TokenScores]:
     """The teacher's scores of every response token of each trajectory, turns in order
     (``TokenScores.logprobs`` has ``traj.num_response_tokens`` entries)."""
     requests = [pack_trajectory(traj, view, fmt) for traj in trajs]
-    return engine.score(requests, batch_size=batch_size, mode=mode, top_k=top_k) if requests else []
+    return engine.score(requests, batch_size=batch_size, mode=mode, top_k=top_k, batch_tokens=batch_tokens) if requests else []

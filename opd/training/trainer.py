@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from opd.generation.base import branch_attention_mask
+from opd.generation.base import branch_attention_mask, length_groups
 from opd.losses import combined_loss
 from opd.models import load_model, load_tokenizer, save_model
 from opd.trajectory import TokenBatch
@@ -135,6 +135,7 @@ class StudentTrainer:
         self.loss_terms = loss_terms
         self.temperature = temperature if temperature > 0 else 1.0  # greedy rollouts score at 1
         self.micro_batch_size = int(trainer_cfg.micro_batch_size)
+        self.micro_batch_tokens = int(trainer_cfg.micro_batch_tokens)
         self.tokenizer = load_tokenizer(model_dir, trust_remote_code)
         model = load_model(model_dir, dtype=dtype, trust_remote_code=trust_remote_code).train()
         optimizer = torch.optim.AdamW(
@@ -168,21 +169,20 @@ class StudentTrainer:
         metrics_sum: dict[str, float] = {}
         weights: dict[str, float] = {}  # diagnostics averaged over micro-batches, by their token counts
         nonfinite = 0
-        n_micro = max(1, math.ceil(len(batch) / self.micro_batch_size))
         # Normalisers of the whole batch: the micro-batch losses then add up to the batch's loss.
         # DeepSpeed divides each micro-batch loss by its configured accumulation steps, which the
         # losses undo with ``totals["micro_batches"]``; the boundary is set by hand, so a batch may
         # hold any number of rows (per-turn rows, extra recovery rows), not only episodes_per_step.
         gas = self.engine.gradient_accumulation_steps()
         batch = batch.with_totals(micro_batches=gas)
-        # Longest rows first, each micro-batch cut to its own longest row: per-turn rows of very
-        # different lengths (ActFirst) then pad only against their neighbours. The gradient is
-        # unchanged (every loss is normalised over the whole batch, see above).
-        lengths = batch.attention_mask_BT.sum(1)
-        batch = batch.select_rows(torch.argsort(lengths, descending=True, stable=True))
-        for m in range(n_micro):
-            self.engine.set_gradient_accumulation_boundary(m == n_micro - 1)
-            micro = batch.select(slice(m * self.micro_batch_size, (m + 1) * self.micro_batch_size))
+        # Micro-batches of rows of similar lengths (longest first), each cut to its own longest
+        # row and capped at micro_batch_tokens padded tokens: rows of very different lengths then
+        # pad only against their neighbours. The gradient is unchanged (every loss is normalised
+        # over the whole batch, see above).
+        groups = length_groups(batch.attention_mask_BT.sum(1).tolist(), self.micro_batch_size, self.micro_batch_tokens)
+        for m, rows in enumerate(groups):
+            self.engine.set_gradient_accumulation_boundary(m == len(groups) - 1)
+            micro = batch.select_rows(torch.tensor(rows))
             micro = micro.narrow(int(micro.attention_mask_BT.sum(1).max())).to(self.engine.device)
             micro = micro.with_student(*student_logprobs(self.engine, micro, self.temperature))
             loss, metrics = combined_loss(micro, self.loss_terms)

@@ -100,6 +100,8 @@ def test_impossible_resources_are_refused():
         ("losses.0.name=no_such_loss", "key 'losses.0.name': \"unknown loss 'no_such_loss'"),
         ("trainer.zero_stage=4", "expected 0, 1, 2 or 3"),
         ("rollout.temperature=-1", "key 'rollout.temperature' is -1.0"),
+        ("trainer.micro_batch_tokens=-1", "key 'trainer.micro_batch_tokens' is -1; expected a number >= 0"),
+        ("supervision.score_batch_tokens=-5", "key 'supervision.score_batch_tokens' is -5; expected a number >= 0"),
         ("notakey", "override 'notakey' is not key=value"),
     ],
 )

@@ -104,3 +104,36 @@ def test_token_batch_carries_topk_and_full_scores_on_response_positions(tokenize
     batch = build_token_batch([traj], full, fmt.pad_id, fmt)
     assert torch.equal(batch.teacher_full_logprobs_BTV[0, positions], full[0].full_logprobs)
     assert batch.teacher_topk_ids_BTK is None and batch.advantage_B.tolist() == [0.0]
+
+
+def test_length_groups_cover_every_row_once_within_both_caps():
+    from opd.generation.base import length_groups
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 3000, (57,), generator=gen).tolist()
+    for max_rows, max_tokens in [(16, 4096), (4, 0), (1, 4096), (57, 100)]:
+        groups = length_groups(lengths, max_rows, max_tokens)
+        assert sorted(i for g in groups for i in g) == list(range(57))
+        flat = [lengths[i] for g in groups for i in g]
+        assert flat == sorted(lengths, reverse=True)  # longest first, neighbours together
+        for g in groups:
+            assert len(g) <= max_rows
+            padded = len(g) * max(lengths[i] for i in g)
+            assert len(g) == 1 or max_tokens == 0 or padded <= max_tokens
+    assert length_groups([10] * 5, 16, 0) == [[0, 1, 2, 3, 4]]
+    with pytest.raises(ValueError, match="max_rows"):
+        length_groups([1], 0)
+
+
+def test_scores_come_back_in_request_order_whatever_the_batching(tokenizer, fmt, tiny_model_dir):
+    """Requests of very different lengths, batched by a padded-token budget (sorted by length,
+    several forwards), score exactly as each alone, each in its own place."""
+    engine = HFEngine.from_pretrained(tiny_model_dir)
+    traj = ten_turn_trajectory(tokenizer, fmt)
+    requests = naive_requests(traj, "full", fmt)[::-1] + naive_requests(traj, "state_grounded", fmt)
+    alone = [engine.score([r])[0].logprobs for r in requests]
+    longest = max(len(r.input_ids) for r in requests)
+    for batch_size, batch_tokens in [(16, 0), (16, 2 * longest), (3, 0), (16, longest // 2)]:
+        scores = engine.score(requests, batch_size=batch_size, batch_tokens=batch_tokens)
+        assert [len(s.logprobs) for s in scores] == [len(a) for a in alone]
+        assert max(abs(x - y) for s, a in zip(scores, alone) for x, y in zip(s.logprobs, a)) <= 1e-4
