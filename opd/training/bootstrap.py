@@ -42,6 +42,7 @@ from omegaconf import OmegaConf
 
 from opd.chat import ChatFormat, first_prompt_ids, next_prompt_ids, student_sequence
 from opd.envs import EnvFactory
+from opd.generation.base import length_groups
 from opd.models import (load_tokenizer, save_directory_atomically, save_model, smollm2_tokenizer_dir, tiny_qwen3,
                         train_chat_tokenizer)
 from opd.trajectory import TokenBatch, Trajectory, Turn
@@ -258,6 +259,9 @@ def build_bootstrap_model(boot: Any, env_cfg: Any, seed: int, log: Callable[[str
     return str(directory)
 
 
+SFT_BATCH_TOKENS = 4096  # padded tokens per forward of the bootstrap SFT
+
+
 def sft(model, rows: list[dict], pad_id: int, boot: Any, seed: int, log: Callable[[str], None]) -> None:
     """Cross-entropy on response tokens, AdamW with linear warm-up and cosine decay."""
     from opd.losses import sft as sft_loss
@@ -271,10 +275,17 @@ def sft(model, rows: list[dict], pad_id: int, boot: Any, seed: int, log: Callabl
     )
     rng = random.Random(seed)
     for step in range(boot.sft_steps):
-        batch = TokenBatch.from_rows(rng.sample(rows, min(boot.batch_size, len(rows))), pad_id)
-        loss, _ = sft_loss(batch.with_student(token_logprobs(model, batch)), {})
+        # Whole episodes and single turns mix in a batch: forwards of similar lengths (the loss
+        # normalised over the whole batch) give its gradient without padding turns to episodes.
+        batch = TokenBatch.from_rows(rng.sample(rows, min(boot.batch_size, len(rows))), pad_id).with_totals()
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = torch.zeros(())
+        for group in length_groups(batch.attention_mask_BT.sum(1).tolist(), len(batch), SFT_BATCH_TOKENS):
+            micro = batch.select_rows(torch.tensor(group))
+            micro = micro.narrow(int(micro.attention_mask_BT.sum(1).max()))
+            part, _ = sft_loss(micro.with_student(token_logprobs(model, micro)), {})
+            part.backward()
+            loss += part.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()

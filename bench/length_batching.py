@@ -1,0 +1,135 @@
+"""Forwards of similar lengths against one forward padded to the longest row, on real rows.
+
+    .venv/bin/python bench/length_batching.py                 # FrozenLake 6x6, 16 episodes
+    .venv/bin/python bench/length_batching.py --episodes 32 --recipe recipes/quickstart.yaml
+
+One row per episode gives rows of very different lengths (an episode that ends in a hole at
+turn 2 next to one that plays 20 turns). Padded into one forward, every row pays the longest
+one's attention, which grows with the square of the length. The same rows, played by the
+recipe's student, are scored by its teacher and trained on by the DeepSpeed trainer twice: with
+no cap (``supervision.score_batch_tokens: 0``, ``trainer.micro_batch_tokens: 0``, one padded
+forward of up to ``score_batch_size`` / ``micro_batch_size`` rows) and with the cap (4096
+padded tokens, the default). The bootstrap SFT step is timed the same way. Both sides give the
+same numbers; the benchmark checks that, then reports each speed-up as a ratio measured in this
+run (median of ``--repeats``), in ``<out>/length_batching.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _median_time(fn, repeats: int) -> tuple[float, object]:
+    fn()  # warm-up (allocator, first-call paths)
+    times, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default=str(ROOT / "recipes" / "actfirst_frozenlake.yaml"))
+    parser.add_argument("--episodes", type=int, default=16)
+    parser.add_argument("--batch-tokens", type=int, default=4096, help="the cap measured against no cap")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="runs/bench_length_batching")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    import torch
+    from omegaconf import OmegaConf
+
+    from opd.chat import ChatFormat, student_sequence
+    from opd.cli import _quiet_libraries
+    from opd.config import load_config
+    from opd.envs import EnvFactory
+    from opd.generation import make_engine
+    from opd.models import load_tokenizer
+    from opd.rollout.vanilla import EpisodeSettings, run_episodes
+    from opd.runtime.driver import resolve_model_path
+    from opd.supervision.teacher_view import score_trajectories
+    from opd.training import bootstrap
+    from opd.training.trainer import StudentTrainer
+    from opd.algorithms.vanilla_opd import build_token_batch
+
+    _quiet_libraries()
+    cfg = load_config(args.recipe, ["algorithm=vanilla_opd"])
+    student = resolve_model_path(cfg.student, cfg.env, cfg.run.seed, print)
+    teacher = resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, print)
+    tokenizer = load_tokenizer(student)
+    fmt = ChatFormat.from_tokenizer(tokenizer)
+    factory = EnvFactory(cfg.env.id, dict(cfg.env.kwargs), cfg.env.module)
+    probe = factory()
+    tasks = probe.unwrapped.task_ids(cfg.env.train_split)[: args.episodes]
+    probe.close()
+    settings = EpisodeSettings(temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens,
+                               max_context_tokens=cfg.rollout.max_context_tokens, system_prompt=cfg.rollout.system_prompt,
+                               env_isolation="none", env_timeout_s=cfg.env.timeout_s)
+    trajs = run_episodes(make_engine("hf", student, "float32", False, 0.0), factory, tasks, tokenizer, fmt, settings, seed=0)
+
+    teacher_engine = make_engine("hf", teacher, "float32", False, 0.0)
+    view, size = cfg.supervision.teacher_view, cfg.supervision.score_batch_size
+    score = {cap: _median_time(lambda cap=cap: score_trajectories(teacher_engine, trajs, view, fmt, size, batch_tokens=cap),
+                               args.repeats) for cap in (0, args.batch_tokens)}
+    gap = max(abs(x - y) for a, b in zip(score[0][1], score[args.batch_tokens][1]) for x, y in zip(a.logprobs, b.logprobs))
+    if gap > 1e-4:
+        raise SystemExit(f"the two scorings differ by {gap}: length batching changed the teacher's scores")
+
+    batch = build_token_batch(trajs, score[0][1], fmt.pad_id, fmt)
+    terms = [(loss.name, loss.weight, dict(loss.args)) for loss in cfg.losses]
+    train = {}
+    for cap in (0, args.batch_tokens):
+        trainer_cfg = OmegaConf.merge(cfg.trainer, {"micro_batch_size": len(trajs), "micro_batch_tokens": cap})
+        trainer = StudentTrainer(trainer_cfg, terms, student, episodes_per_step=len(trajs),
+                                 temperature=cfg.rollout.temperature)
+        train[cap] = _median_time(lambda: trainer.train_step(batch), args.repeats)
+    losses = [train[cap][1]["loss"] for cap in train]
+    if abs(losses[0] - losses[1]) > 1e-4 * max(1.0, abs(losses[0])):
+        raise SystemExit(f"the two trainer steps give losses {losses}: length batching changed the loss")
+
+    sft_boot = OmegaConf.merge(cfg.student.bootstrap, {"sft_steps": args.repeats, "batch_size": len(trajs)})
+    rows = [student_sequence(t, fmt) for t in trajs]
+    sft = {}
+    for cap in (0, args.batch_tokens):
+        bootstrap.SFT_BATCH_TOKENS = cap
+        model = bootstrap.tiny_qwen3(tokenizer, cfg.student.bootstrap.arch, seed=0).train()
+        start = time.perf_counter()
+        bootstrap.sft(model, rows, fmt.pad_id, sft_boot, seed=0, log=lambda _: None)
+        sft[cap] = (time.perf_counter() - start) / args.repeats
+
+    lengths = batch.attention_mask_BT.sum(1).tolist()
+    result = {
+        "recipe": args.recipe, "episodes": len(trajs), "batch_tokens": args.batch_tokens, "torch_threads": torch.get_num_threads(),
+        "row_tokens": {"total": sum(lengths), "min": min(lengths), "max": max(lengths)},
+        "teacher_scoring_s": {"padded": score[0][0], "length_grouped": score[args.batch_tokens][0]},
+        "trainer_step_s": {"padded": train[0][0], "length_grouped": train[args.batch_tokens][0]},
+        "sft_step_s": {"padded": sft[0], "length_grouped": sft[args.batch_tokens]},
+        "max_score_gap": gap, "losses": losses,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "length_batching.json").write_text(json.dumps(result, indent=2))
+    lines = [f"Length-grouped forwards (cap {args.batch_tokens} padded tokens) against one padded forward: "
+             f"{len(trajs)} episodes of {args.recipe}, rows of {min(lengths)}-{max(lengths)} tokens ({sum(lengths)} in all)", "",
+             "| | padded to the longest (s) | length-grouped (s) | speed-up |", "|---|---|---|---|"]
+    for name, key in (("teacher scoring", "teacher_scoring_s"), ("trainer step (DeepSpeed)", "trainer_step_s"),
+                      ("bootstrap SFT step", "sft_step_s")):
+        padded, grouped = result[key]["padded"], result[key]["length_grouped"]
+        lines.append(f"| {name} | {padded:.2f} | {grouped:.2f} | **{padded / grouped:.2f}x** |")
+    lines += ["", f"Same results: teacher scores within {gap:.1e}, losses {losses[0]:.6f} / {losses[1]:.6f}."]
+    (out / "length_batching.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return result
+
+
+if __name__ == "__main__":
+    main()
