@@ -71,11 +71,6 @@ def surroundings(desc: Sequence[str], agent: tuple[int, int]) -> str:
     return "Around you: " + ", ".join(parts) + "."
 
 
-def position(agent: tuple[int, int]) -> str:
-    """The agent's cell in words, counted from 1 at the top left: ``Position: row 2, column 3.``"""
-    return f"Position: row {agent[0] + 1}, column {agent[1] + 1}."
-
-
 def distances_to_goal(desc: Sequence[str]) -> dict[tuple[int, int], int]:
     """BFS distance (in moves) from every cell that can reach G without entering H.
 
@@ -130,9 +125,6 @@ class FrozenLakeTextEnv(gymnasium.Env):
         split_seed: Seed of the task generator (not of episodes).
         describe_surroundings: Append a line naming the cell (or wall) one move away in each
             direction.
-        describe_position: Start that last line with the agent's row and column (on a line of
-            its own without ``describe_surroundings``). A move then shows as a change of one
-            number, which a small model reads far more easily than a letter moving in the grid.
         render_mode: None or "ansi"; ``render()`` returns the current text either way.
     """
 
@@ -149,7 +141,6 @@ class FrozenLakeTextEnv(gymnasium.Env):
         invalid_action_penalty: float = 0.1,
         split_seed: int = 0,
         describe_surroundings: bool = True,
-        describe_position: bool = False,
         render_mode: str | None = None,
     ) -> None:
         _check_int("map_size", map_size, minimum=2)
@@ -170,7 +161,6 @@ class FrozenLakeTextEnv(gymnasium.Env):
         self.invalid_action_penalty = float(invalid_action_penalty)
         self.split_seed = split_seed
         self.describe_surroundings = bool(describe_surroundings)
-        self.describe_position = bool(describe_position)
         self.render_mode = render_mode
         charset = string.printable  # letters, digits, punctuation, space and "\n"
         self.observation_space = gymnasium.spaces.Text(max_length=256 + 2 * map_size * map_size, charset=charset)
@@ -274,9 +264,10 @@ class FrozenLakeTextEnv(gymnasium.Env):
         return self._last_obs
 
     def _grid(self) -> str:
-        status = ([position(self.agent_cell)] if self.describe_position else []) + (
-            [surroundings(self._desc, self.agent_cell)] if self.describe_surroundings else [])
-        return "\n".join([render_grid(self._desc, self.agent_cell), *([" ".join(status)] if status else [])])
+        grid = render_grid(self._desc, self.agent_cell)
+        if not self.describe_surroundings:
+            return grid
+        return grid + "\n" + surroundings(self._desc, self.agent_cell)
 
     def _info(self, *, success: bool, valid_action: bool) -> dict[str, Any]:
         return {

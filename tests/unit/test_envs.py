@@ -51,20 +51,6 @@ def test_surroundings_line_names_walls_and_cells() -> None:
     assert "Around you" not in plain.reset(options={"task": "fl4-eval-00000"})[0]
 
 
-def test_position_line_counts_rows_and_columns_from_one() -> None:
-    env = FrozenLakeTextEnv(describe_position=True, **SMALL)
-    task = find_task(env, lambda m: m[1][0] != "H" and m[1][1] != "H")
-    m = env.task_map(task)
-    obs, _ = env.reset(options={"task": task})
-    assert obs.endswith(f"\nPosition: row 1, column 1. Around you: left wall, down {m[1][0]}, right {m[0][1]}, up wall.")
-    obs = env.step("down")[0]
-    assert obs.splitlines()[-1].startswith("Position: row 2, column 1. Around you: left wall,")
-    obs = env.step("right")[0]
-    assert obs.splitlines()[-1].startswith("Position: row 2, column 2. Around you:")
-    alone = FrozenLakeTextEnv(describe_position=True, describe_surroundings=False, **SMALL)
-    assert alone.reset(options={"task": task})[0].endswith(f"{' '.join(m[-1])}\nPosition: row 1, column 1.")
-
-
 def find_task(env: FrozenLakeTextEnv, predicate) -> str:
     for task in env.task_ids("train"):
         if predicate(env.task_map(task)):
