@@ -184,6 +184,13 @@ class TokenBatch:
         """Every per-token tensor cut to its first ``width`` positions (drop shared padding)."""
         return self._map(lambda t: t[:, :width] if t.dim() >= 2 else t)
 
+    def micro_batches(self, max_rows: int, max_tokens: int = 0) -> list["TokenBatch"]:
+        """The rows split by :func:`length_groups` (longest first, at most ``max_rows`` rows and
+        ``max_tokens`` padded tokens each), each cut to its own longest row."""
+        groups = length_groups(self.attention_mask_BT.sum(1).tolist(), max_rows, max_tokens)
+        micro = [self.select_rows(torch.tensor(rows)) for rows in groups]
+        return [m.narrow(int(m.attention_mask_BT.sum(1).max())) for m in micro]
+
     def to(self, device) -> "TokenBatch":
         """Every tensor moved to ``device``."""
         return self._map(lambda t: t.to(device))
@@ -282,3 +289,29 @@ class TokenBatch:
 
 # Padding of each per-token field in :meth:`TokenBatch.concat` (0 unless named here).
 _FILL = {"turn_index_BT": -1, "teacher_topk_logprobs_BTK": float("-inf")}
+
+
+def length_groups(lengths: list[int], max_rows: int, max_tokens: int = 0) -> list[list[int]]:
+    """Row indices grouped for padded forwards: longest rows first, each group at most
+    ``max_rows`` rows and, with ``max_tokens > 0``, at most ``max_tokens`` padded tokens (its
+    rows times its longest row; a row longer than that goes alone).
+
+    Padding a short row to a long one costs that row the long one's attention, which grows with
+    the square of the length, so rows of very different lengths (one episode per row) are much
+    cheaper in a few forwards of similar lengths than in one forward padded to the longest.
+
+    Example:
+        >>> length_groups([100, 2000, 300, 1900], max_rows=16, max_tokens=4096)
+        [[1, 3], [2, 0]]
+    """
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        group = groups[-1] if groups else None
+        if group is None or len(group) >= max_rows or (max_tokens > 0 and (len(group) + 1) * lengths[group[0]] > max_tokens):
+            groups.append([i])
+        else:
+            group.append(i)
+    return groups

@@ -164,28 +164,3 @@ def branch_attention_mask(branch_ids_BL: torch.Tensor, valid_BL: torch.Tensor) -
     mask_BLL |= torch.eye(L, dtype=torch.bool, device=branch_ids_BL.device)[None]
     return mask_BLL[:, None]
 
-
-def length_groups(lengths: list[int], max_rows: int, max_tokens: int = 0) -> list[list[int]]:
-    """Row indices grouped for padded forwards: longest rows first, each group at most
-    ``max_rows`` rows and, with ``max_tokens > 0``, at most ``max_tokens`` padded tokens (its
-    rows times its longest row; a row longer than that goes alone).
-
-    Padding a short row to a long one costs that row the long one's attention, which grows with
-    the square of the length, so rows of very different lengths (one episode per row) are much
-    cheaper in a few forwards of similar lengths than in one forward padded to the longest.
-
-    Example:
-        >>> length_groups([100, 2000, 300, 1900], max_rows=16, max_tokens=4096)
-        [[1, 3], [2, 0]]
-    """
-    if max_rows < 1:
-        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups: list[list[int]] = []
-    for i in order:
-        group = groups[-1] if groups else None
-        if group is None or len(group) >= max_rows or (max_tokens > 0 and (len(group) + 1) * lengths[group[0]] > max_tokens):
-            groups.append([i])
-        else:
-            group.append(i)
-    return groups

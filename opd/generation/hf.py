@@ -22,9 +22,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from opd.generation.base import (Completion, SamplingParams, ScoreRequest, TokenScores, branch_attention_mask, length_groups,
-                                 scores_from_logprobs)
+from opd.generation.base import Completion, SamplingParams, ScoreRequest, TokenScores, branch_attention_mask, scores_from_logprobs
 from opd.models import load_model, load_tokenizer
+from opd.trajectory import length_groups
 
 
 class HFEngine:

@@ -42,7 +42,6 @@ from omegaconf import OmegaConf
 
 from opd.chat import ChatFormat, first_prompt_ids, next_prompt_ids, student_sequence
 from opd.envs import EnvFactory
-from opd.generation.base import length_groups
 from opd.models import (load_tokenizer, save_directory_atomically, save_model, smollm2_tokenizer_dir, tiny_qwen3,
                         train_chat_tokenizer)
 from opd.trajectory import TokenBatch, Trajectory, Turn
@@ -280,9 +279,7 @@ def sft(model, rows: list[dict], pad_id: int, boot: Any, seed: int, log: Callabl
         batch = TokenBatch.from_rows(rng.sample(rows, min(boot.batch_size, len(rows))), pad_id).with_totals()
         optimizer.zero_grad(set_to_none=True)
         loss = torch.zeros(())
-        for group in length_groups(batch.attention_mask_BT.sum(1).tolist(), len(batch), SFT_BATCH_TOKENS):
-            micro = batch.select_rows(torch.tensor(group))
-            micro = micro.narrow(int(micro.attention_mask_BT.sum(1).max()))
+        for micro in batch.micro_batches(len(batch), SFT_BATCH_TOKENS):
             part, _ = sft_loss(micro.with_student(token_logprobs(model, micro)), {})
             part.backward()
             loss += part.detach()

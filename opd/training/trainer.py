@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from opd.generation.base import branch_attention_mask, length_groups
+from opd.generation.base import branch_attention_mask
 from opd.losses import combined_loss
 from opd.models import load_model, load_tokenizer, save_model
 from opd.trajectory import TokenBatch
@@ -179,11 +179,10 @@ class StudentTrainer:
         # row and capped at micro_batch_tokens padded tokens: rows of very different lengths then
         # pad only against their neighbours. The gradient is unchanged (every loss is normalised
         # over the whole batch, see above).
-        groups = length_groups(batch.attention_mask_BT.sum(1).tolist(), self.micro_batch_size, self.micro_batch_tokens)
-        for m, rows in enumerate(groups):
-            self.engine.set_gradient_accumulation_boundary(m == len(groups) - 1)
-            micro = batch.select_rows(torch.tensor(rows))
-            micro = micro.narrow(int(micro.attention_mask_BT.sum(1).max())).to(self.engine.device)
+        micro_batches = batch.micro_batches(self.micro_batch_size, self.micro_batch_tokens)
+        for m, micro in enumerate(micro_batches):
+            self.engine.set_gradient_accumulation_boundary(m == len(micro_batches) - 1)
+            micro = micro.to(self.engine.device)
             micro = micro.with_student(*student_logprobs(self.engine, micro, self.temperature))
             loss, metrics = combined_loss(micro, self.loss_terms)
             if not torch.isfinite(loss):

@@ -107,7 +107,7 @@ def test_token_batch_carries_topk_and_full_scores_on_response_positions(tokenize
 
 
 def test_length_groups_cover_every_row_once_within_both_caps():
-    from opd.generation.base import length_groups
+    from opd.trajectory import length_groups
 
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 3000, (57,), generator=gen).tolist()
