@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "drift over the runs then weighs on both alike; times are averaged over the rounds")
     parser.add_argument("overrides", nargs="*", help="key=value for both runs, e.g. rollout.episodes_per_step=32")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     sys.path.insert(0, str(ROOT))
     from rich.console import Console
 
@@ -92,8 +94,6 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     build_references(load_config(args.recipe, ["algorithm=actfirst_opd", *args.overrides]), log=console.log)
     references_s = time.perf_counter() - start
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     runs: dict[str, list[dict]] = {"vanilla_opd": [], "actfirst_opd": []}
     for k in range(args.rounds):
         order = ("vanilla_opd", "actfirst_opd") if k % 2 == 0 else ("actfirst_opd", "vanilla_opd")
