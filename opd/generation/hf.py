@@ -22,7 +22,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from opd.generation.base import Completion, SamplingParams, ScoreRequest, TokenScores, branch_attention_mask, scores_from_logprobs
+from opd.generation.base import Completion, SamplingParams, ScoreRequest, TokenScores, scores_from_logprobs
+from opd.generation.packed import packed_forward
 from opd.models import load_model, load_tokenizer
 from opd.trajectory import length_groups
 
@@ -201,12 +202,7 @@ class HFEngine:
             pos_BL[i, :n] = torch.tensor(r.position_ids)
             branch_BL[i, :n] = torch.tensor(r.branch_ids)
             valid_BL[i, :n] = True
-        mask_B1LL = branch_attention_mask(branch_BL, valid_BL)
-        logits_BLV = self.model(
-            input_ids=ids_BL.to(self.device),
-            attention_mask=mask_B1LL.to(self.device),
-            position_ids=pos_BL.to(self.device),
-        ).logits
+        logits_BLV = packed_forward(self.model, ids_BL.to(self.device), pos_BL, branch_BL, valid_BL)
         results = []
         for i, r in enumerate(requests):
             source = torch.tensor(r.source_index, dtype=torch.long, device=self.device)

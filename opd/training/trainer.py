@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from opd.generation.base import branch_attention_mask
+from opd.generation.packed import packed_forward
 from opd.losses import combined_loss
 from opd.models import load_model, load_tokenizer, save_model
 from opd.trajectory import TokenBatch
@@ -70,9 +70,8 @@ def student_logprobs(model, batch: TokenBatch, temperature: float = 1.0) -> tupl
     if batch.branch_ids_BT is None:
         logits_BTV = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits.float()
     else:  # packed rows: a trunk and branches, one forward (see TokenBatch.branch_ids_BT)
-        mask_B1TT = branch_attention_mask(batch.branch_ids_BT, batch.attention_mask_BT.bool())
-        logits_BTV = model(input_ids=batch.input_ids_BT, attention_mask=mask_B1TT,
-                           position_ids=batch.position_ids_BT).logits.float()
+        logits_BTV = packed_forward(model, batch.input_ids_BT, batch.position_ids_BT, batch.branch_ids_BT,
+                                    batch.attention_mask_BT.bool()).float()
     logp_BTV = torch.log_softmax(logits_BTV[:, :-1] / temperature, dim=-1)
     picked_BT = logp_BTV.gather(2, batch.input_ids_BT[:, 1:, None]).squeeze(2)
     zeros_B1V = torch.zeros_like(logp_BTV[:, :1])

@@ -1,17 +1,24 @@
-"""Forwards of similar lengths against one forward padded to the longest row, on real rows.
+"""How a forward is cut, measured on real rows: length grouping and split attention.
 
-    .venv/bin/python bench/length_batching.py                 # FrozenLake 6x6, 16 episodes
-    .venv/bin/python bench/length_batching.py --episodes 32 --recipe recipes/quickstart.yaml
+    .venv/bin/python bench/forwards.py                 # FrozenLake 6x6, 16 episodes
+    .venv/bin/python bench/forwards.py --episodes 32 --recipe recipes/quickstart.yaml
 
-One row per episode gives rows of very different lengths (an episode that ends in a hole at
-turn 2 next to one that plays 20 turns). Padded into one forward, every row pays the longest
-one's attention, which grows with the square of the length. The same rows, played by the
-recipe's student, are scored by its teacher and trained on by the DeepSpeed trainer twice: with
-no cap (``supervision.score_batch_tokens: 0``, ``trainer.micro_batch_tokens: 0``, one padded
-forward of up to ``score_batch_size`` / ``micro_batch_size`` rows) and with the cap (4096
-padded tokens, the default). The bootstrap SFT step is timed the same way. Both sides give the
-same numbers; the benchmark checks that, then reports each speed-up as a ratio measured in this
-run (median of ``--repeats``), in ``<out>/length_batching.json`` and ``.md``.
+The recipe's student plays the episodes; its teacher scores them and the DeepSpeed trainer
+trains on them, each timed both ways on the same rows:
+
+1. **Length grouping.** One row per episode gives rows of very different lengths (an episode
+   that ends in a hole at turn 2 next to one that plays 20 turns). Padded into one forward,
+   every row pays the longest one's attention, which grows with the square of the length. With
+   no cap (``supervision.score_batch_tokens: 0``, ``trainer.micro_batch_tokens: 0``, one padded
+   forward of up to ``score_batch_size`` / ``micro_batch_size`` rows) against the cap (4096
+   padded tokens, the default); the bootstrap SFT step the same way.
+2. **Split attention on packed rows** (:mod:`opd.generation.packed`): the teacher's
+   state-grounded rows and ActFirst's training rows (one packed row per episode, each full
+   response a branch) with one ``[L, L]`` branch mask against causal trunk attention plus the
+   branch rows, both under the cap.
+
+Both sides give the same numbers; the benchmark checks that, then reports each speed-up as a
+ratio measured in this run (median of ``--repeats``; the split-attention pairs interleaved), in ``<out>/forwards.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -42,18 +49,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--episodes", type=int, default=16)
     parser.add_argument("--batch-tokens", type=int, default=4096, help="the cap measured against no cap")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="runs/bench_length_batching")
+    parser.add_argument("--out", default="runs/bench_forwards")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     import torch
     from omegaconf import OmegaConf
 
+    from opd.algorithms.actfirst_opd import build_episode_batch
     from opd.algorithms.vanilla_opd import build_token_batch
     from opd.chat import ChatFormat, student_sequence
     from opd.cli import _quiet_libraries
     from opd.config import load_config
     from opd.envs import EnvFactory
-    from opd.generation import make_engine
+    from opd.generation import make_engine, packed
     from opd.models import load_tokenizer
     from opd.rollout.vanilla import EpisodeSettings, run_episodes
     from opd.runtime.driver import resolve_model_path
@@ -106,6 +114,34 @@ def main(argv: list[str] | None = None) -> dict:
         bootstrap.sft(model, rows, fmt.pad_id, sft_boot, seed=0, log=lambda _: None)
         sft[cap] = (time.perf_counter() - start) / args.repeats
 
+    # Interleaved (one mask, split, one mask, ...) so that the machine's drift hits both sides alike.
+    cap = args.batch_tokens
+    packed_batch = build_episode_batch(trajs, score[cap][1], fmt.pad_id, fmt)
+    trainer_cfg = OmegaConf.merge(cfg.trainer, {"micro_batch_size": len(trajs), "micro_batch_tokens": cap})
+    trainers = {split: StudentTrainer(trainer_cfg, terms, student, episodes_per_step=len(trajs),
+                                      temperature=cfg.rollout.temperature) for split in (False, True)}
+    jobs = {"score": lambda split: score_trajectories(teacher_engine, trajs, view, fmt, size, batch_tokens=cap),
+            "train": lambda split: trainers[split].train_step(packed_batch)}
+    split_times = {(job, split): [] for job in jobs for split in (False, True)}
+    split_out = {}
+    for repeat in range(args.repeats + 1):  # the first round warms up
+        for job, fn in jobs.items():
+            for split in (False, True):
+                packed.SPLIT_ATTENTION = split
+                start = time.perf_counter()
+                split_out[job, split] = fn(split)
+                if repeat:
+                    split_times[job, split].append(time.perf_counter() - start)
+    packed.SPLIT_ATTENTION = True
+    split_median = {key: statistics.median(times) for key, times in split_times.items()}
+    split_gap = max(abs(x - y) for a, b in zip(split_out["score", False], split_out["score", True])
+                    for x, y in zip(a.logprobs, b.logprobs))
+    split_losses = [split_out["train", False]["loss"], split_out["train", True]["loss"]]  # same updates, same step
+    if split_gap > 1e-4 or abs(split_losses[0] - split_losses[1]) > 1e-4 * max(1.0, abs(split_losses[0])):
+        raise SystemExit(f"split attention changed the numbers: scores by {split_gap}, losses {split_losses}")
+    packed_lengths = packed_batch.attention_mask_BT.sum(1).tolist()
+    branch_tokens = int((packed_batch.branch_ids_BT > 0).sum())
+
     lengths = batch.attention_mask_BT.sum(1).tolist()
     result = {
         "recipe": args.recipe, "episodes": len(trajs), "batch_tokens": args.batch_tokens, "torch_threads": torch.get_num_threads(),
@@ -114,10 +150,16 @@ def main(argv: list[str] | None = None) -> dict:
         "trainer_step_s": {"padded": train[0][0], "length_grouped": train[args.batch_tokens][0]},
         "sft_step_s": {"padded": sft[0], "length_grouped": sft[args.batch_tokens]},
         "max_score_gap": gap, "losses": losses,
+        "packed_rows": {"tokens": sum(packed_lengths), "branch_tokens": branch_tokens, "min": min(packed_lengths),
+                        "max": max(packed_lengths)},
+        "packed_teacher_scoring_s": {"one_mask": split_median["score", False], "split": split_median["score", True]},
+        "packed_trainer_step_s": {"one_mask": split_median["train", False], "split": split_median["train", True]},
+        "packed_times_s": {f"{job}_{'split' if split else 'one_mask'}": times for (job, split), times in split_times.items()},
+        "split_max_score_gap": split_gap, "split_losses": split_losses,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "length_batching.json").write_text(json.dumps(result, indent=2))
+    (out / "forwards.json").write_text(json.dumps(result, indent=2))
     lines = [f"Length-grouped forwards (cap {args.batch_tokens} padded tokens) against one padded forward: "
              f"{len(trajs)} episodes of {args.recipe}, rows of {min(lengths)}-{max(lengths)} tokens ({sum(lengths)} in all)", "",
              "| | padded to the longest (s) | length-grouped (s) | speed-up |", "|---|---|---|---|"]
@@ -125,8 +167,17 @@ def main(argv: list[str] | None = None) -> dict:
                       ("bootstrap SFT step", "sft_step_s")):
         padded, grouped = result[key]["padded"], result[key]["length_grouped"]
         lines.append(f"| {name} | {padded:.2f} | {grouped:.2f} | **{padded / grouped:.2f}x** |")
-    lines += ["", f"Same results: teacher scores within {gap:.1e}, losses {losses[0]:.6f} / {losses[1]:.6f}."]
-    (out / "length_batching.md").write_text("\n".join(lines) + "\n")
+    lines += ["", f"Same results: teacher scores within {gap:.1e}, losses {losses[0]:.6f} / {losses[1]:.6f}.", "",
+              f"Split attention on packed rows (trunk causal + branch rows) against one branch mask, cap {cap}: "
+              f"{len(packed_lengths)} rows of {min(packed_lengths)}-{max(packed_lengths)} tokens "
+              f"({sum(packed_lengths)} in all, {branch_tokens} on branches)", "",
+              "| | one mask (s) | split (s) | speed-up |", "|---|---|---|---|"]
+    for name, key in (("teacher scoring (state-grounded rows)", "packed_teacher_scoring_s"),
+                      ("trainer step (ActFirst rows, DeepSpeed)", "packed_trainer_step_s")):
+        one, split = result[key]["one_mask"], result[key]["split"]
+        lines.append(f"| {name} | {one:.2f} | {split:.2f} | **{one / split:.2f}x** |")
+    lines += ["", f"Same results: teacher scores within {split_gap:.1e}, losses {split_losses[0]:.6f} / {split_losses[1]:.6f}."]
+    (out / "forwards.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return result
 

@@ -1,0 +1,89 @@
+"""Split attention on packed rows (trunk causal + branch rows) equals the one-mask forward."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+from opd.generation import packed
+from opd.generation.base import branch_attention_mask
+from opd.supervision.teacher_view import pack_trajectory
+from tests.unit.test_chat import ten_turn_trajectory
+
+
+def _gqa_qwen3(vocab_size: int):
+    """A tiny Qwen3 with grouped-query attention (4 query heads on 2 key/value heads), as the
+    real students and teachers have."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+                         tie_word_embeddings=True, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config).train()
+
+
+def _batch(tokenizer, fmt):
+    """Rows of a real packed layout (two views of a ten-turn episode: with branches and all
+    trunk) and one row that is all padding but for one token."""
+    traj = ten_turn_trajectory(tokenizer, fmt)
+    requests = [pack_trajectory(traj, "state_grounded", fmt), pack_trajectory(traj, "full", fmt)]
+    assert max(requests[0].branch_ids) > 0 and max(requests[1].branch_ids) == 0
+    L = max(len(r.input_ids) for r in requests)
+    ids, pos = torch.zeros(3, L, dtype=torch.long), torch.zeros(3, L, dtype=torch.long)
+    branch, valid = torch.zeros(3, L, dtype=torch.long), torch.zeros(3, L, dtype=torch.bool)
+    for i, r in enumerate(requests):
+        n = len(r.input_ids)
+        ids[i, :n], pos[i, :n] = torch.tensor(r.input_ids), torch.tensor(r.position_ids)
+        branch[i, :n], valid[i, :n] = torch.tensor(r.branch_ids), True
+    ids[2, 0], valid[2, 0] = 5, True
+    return ids, pos, branch, valid
+
+
+def _logits_and_grads(model, forward, valid):
+    """Logits, and the gradients of a loss over the real (not padding) positions."""
+    model.zero_grad()
+    out = forward()
+    logits = getattr(out, "logits", out).float()
+    (logits.log_softmax(-1)[..., :7].mul(valid[..., None]).sum() / 1000).backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_split_attention_gives_the_masked_forward_and_its_gradients(tokenizer, fmt):
+    ids, pos, branch, valid = _batch(tokenizer, fmt)
+    model = _gqa_qwen3(len(tokenizer))
+    masked, masked_grads = _logits_and_grads(
+        model, lambda: model(input_ids=ids, attention_mask=branch_attention_mask(branch, valid), position_ids=pos), valid)
+    # Padding positions are not part of the contract: zero them on both sides before comparing.
+    split, split_grads = _logits_and_grads(model, lambda: packed.packed_forward(model, ids, pos, branch, valid), valid)
+    keep = valid[..., None]
+    assert torch.allclose(masked * keep, split * keep, atol=1e-5), (masked - split).abs().mul(keep).max()
+    assert masked_grads.keys() == split_grads.keys()
+    for name, grad in masked_grads.items():
+        assert torch.allclose(grad, split_grads[name], atol=1e-6, rtol=1e-4), name
+    assert model.config._attn_implementation == "sdpa", "the model's own attention is restored"
+
+
+def test_the_split_path_runs_two_attention_calls_per_packed_row(tokenizer, fmt):
+    """Not the masked fallback: per layer, a causal trunk call for each row with a trunk and a
+    masked call for each row with branches (here 3 trunks, 1 row with branches, 2 layers)."""
+    ids, pos, branch, valid = _batch(tokenizer, fmt)
+    model = _gqa_qwen3(len(tokenizer)).eval()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with mock.patch.object(packed.F, "scaled_dot_product_attention", wraps=sdpa) as spy, torch.no_grad():
+        packed.packed_forward(model, ids, pos, branch, valid)
+    causal = [c for c in spy.call_args_list if c.kwargs.get("is_causal")]
+    masked = [c for c in spy.call_args_list if c.kwargs.get("attn_mask") is not None]
+    assert (len(causal), len(masked)) == (2 * 3, 2 * 1)
+    n_branch = int((branch[0] > 0).sum())
+    assert all(c.args[0].shape[2] == n_branch for c in masked)  # only branch queries pay for the mask
+
+
+def test_attention_is_restored_when_the_forward_fails(tokenizer, fmt):
+    ids, pos, branch, valid = _batch(tokenizer, fmt)
+    model = _gqa_qwen3(len(tokenizer))
+    with pytest.raises(IndexError):
+        packed.packed_forward(model, ids + len(tokenizer), pos, branch, valid)  # ids past the vocabulary
+    assert model.config._attn_implementation == "sdpa"
