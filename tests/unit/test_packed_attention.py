@@ -87,3 +87,27 @@ def test_attention_is_restored_when_the_forward_fails(tokenizer, fmt):
     with pytest.raises(IndexError):
         packed.packed_forward(model, ids + len(tokenizer), pos, branch, valid)  # ids past the vocabulary
     assert model.config._attn_implementation == "sdpa"
+
+
+class _DropsKeywords(torch.nn.Module):
+    """A model whose forward does not pass extra keyword arguments on (as some model classes
+    do not), so the packed layout never reaches its attention."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config = model, model.config
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **unused):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+
+
+def test_a_model_that_drops_the_layout_gets_the_masked_forward(tokenizer, fmt, caplog):
+    ids, pos, branch, valid = _batch(tokenizer, fmt)
+    model = _gqa_qwen3(len(tokenizer)).eval()
+    with torch.no_grad():
+        masked = model(input_ids=ids, attention_mask=branch_attention_mask(branch, valid), position_ids=pos).logits
+        with caplog.at_level("WARNING", logger="opd.generation.packed"):
+            fallback = packed.packed_forward(_DropsKeywords(model), ids, pos, branch, valid)
+    keep = valid[..., None]
+    assert torch.allclose(masked * keep, fallback * keep, atol=1e-6)
+    assert "one-mask forward" in caplog.text
