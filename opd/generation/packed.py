@@ -39,6 +39,7 @@ from opd.generation.base import branch_attention_mask
 log = logging.getLogger(__name__)
 
 ATTENTION_NAME = "opd_packed"
+_WARNED: set[str] = set()  # model classes already warned about (once each, not every forward)
 SPLIT_ATTENTION = True  # False: the one-mask forward (bench/forwards.py measures one against the other)
 
 
@@ -153,8 +154,10 @@ def packed_forward(model, input_ids_BL: torch.Tensor, position_ids_BL: torch.Ten
         logits_BLV = model(input_ids=input_ids_BL.gather(1, order_BL), position_ids=position_ids_BL.gather(1, order_BL),
                            packed_layout=layout).logits
     if not layout.used:  # the model's attention layers dropped the layout: its forward was plain causal
-        log.warning("%s does not pass keyword arguments to its attention: packed rows use the one-mask forward",
-                    type(getattr(model, "module", model)).__name__)
+        name = type(getattr(model, "module", model)).__name__
+        if name not in _WARNED:
+            _WARNED.add(name)
+            log.warning("%s does not pass keyword arguments to its attention: packed rows use the one-mask forward", name)
         return _masked_forward(model, input_ids_BL, position_ids_BL, branch_BL, valid_BL)
     back_BL = torch.argsort(order_BL, dim=1)
     return logits_BLV[torch.arange(len(back_BL), device=device)[:, None], back_BL]
