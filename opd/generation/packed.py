@@ -27,6 +27,7 @@ runs the masked forward instead (same numbers, slower).
 
 from __future__ import annotations
 
+import functools
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -89,7 +90,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     packed_layout.used = True
-    B, H, L, D = query.shape
+    B, H, L, _ = query.shape
     gqa = key.shape[1] != H
     dropout = dropout if module.training else 0.0
     rows = []
@@ -114,6 +115,7 @@ def _no_mask(*args, **kwargs):
     return None  # the layout carries the mask
 
 
+@functools.cache  # once per process, not at every forward
 def _register() -> None:
     from transformers import AttentionInterface, AttentionMaskInterface
 

@@ -45,8 +45,7 @@ def _batch(tokenizer, fmt):
 def _logits_and_grads(model, forward, valid):
     """Logits, and the gradients of a loss over the real (not padding) positions."""
     model.zero_grad()
-    out = forward()
-    logits = getattr(out, "logits", out).float()
+    logits = forward().float()
     (logits.log_softmax(-1)[..., :7].mul(valid[..., None]).sum() / 1000).backward()
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -55,7 +54,7 @@ def test_split_attention_gives_the_masked_forward_and_its_gradients(tokenizer, f
     ids, pos, branch, valid = _batch(tokenizer, fmt)
     model = _gqa_qwen3(len(tokenizer))
     masked, masked_grads = _logits_and_grads(
-        model, lambda: model(input_ids=ids, attention_mask=branch_attention_mask(branch, valid), position_ids=pos), valid)
+        model, lambda: model(input_ids=ids, attention_mask=branch_attention_mask(branch, valid), position_ids=pos).logits, valid)
     # Padding positions are not part of the contract: zero them on both sides before comparing.
     split, split_grads = _logits_and_grads(model, lambda: packed.packed_forward(model, ids, pos, branch, valid), valid)
     keep = valid[..., None]
