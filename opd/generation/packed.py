@@ -22,7 +22,11 @@ forward's keyword arguments on to the attention function, as transformers' Llama
 does; for any other model the layout goes unread, which :func:`packed_forward` notices, and it
 runs the masked forward instead (same numbers, slower).
 
+Plain rows (one sequence each, right-padded: the trainer's vanilla rows, the bootstrap SFT)
+take :func:`causal_forward`, which leaves the padding mask out for the same reason.
+
     >>> logits_BLV = packed_forward(model, ids_BL, pos_BL, branch_BL, valid_BL)  # doctest: +SKIP
+    >>> logits_BLV = causal_forward(model, ids_BL, valid_BL)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ log = logging.getLogger(__name__)
 
 ATTENTION_NAME = "opd_packed"
 _WARNED: set[str] = set()  # model classes already warned about (once each, not every forward)
-SPLIT_ATTENTION = True  # False: the one-mask forward (bench/forwards.py measures one against the other)
+FAST_ATTENTION = True  # False: the masked forwards (bench/forwards.py measures one against the other)
 
 
 @dataclass
@@ -148,7 +152,7 @@ def packed_forward(model, input_ids_BL: torch.Tensor, position_ids_BL: torch.Ten
     at padding positions are unspecified."""
     device = input_ids_BL.device
     position_ids_BL, branch_BL, valid_BL = position_ids_BL.to(device), branch_BL.to(device), valid_BL.to(device)
-    if not SPLIT_ATTENTION:
+    if not FAST_ATTENTION:
         return _masked_forward(model, input_ids_BL, position_ids_BL, branch_BL, valid_BL)
     _register()
     layout, order_BL = PackedLayout.reorder(branch_BL, valid_BL)
@@ -163,3 +167,19 @@ def packed_forward(model, input_ids_BL: torch.Tensor, position_ids_BL: torch.Ten
         return _masked_forward(model, input_ids_BL, position_ids_BL, branch_BL, valid_BL)
     back_BL = torch.argsort(order_BL, dim=1)
     return logits_BLV[torch.arange(len(back_BL), device=device)[:, None], back_BL]
+
+
+def causal_forward(model, input_ids_BL: torch.Tensor, valid_BL: torch.Tensor) -> torch.Tensor:
+    """``[B, L, V]`` logits of the model on plain causal rows (``valid_BL``: False on padding).
+    Logits at padding positions are unspecified.
+
+    Right-padded rows run with no attention mask: a causal query never sees the padding after
+    it, so every valid position gets the masked forward's logits, and attention stays on
+    PyTorch's causal fast path (a padding mask takes it off, as a branch mask does). Rows padded
+    any other way get the mask.
+    """
+    valid_BL = valid_BL.to(input_ids_BL.device).bool()
+    lengths_B1 = valid_BL.sum(1, keepdim=True)
+    if FAST_ATTENTION and torch.equal(valid_BL, torch.arange(valid_BL.shape[1], device=valid_BL.device) < lengths_B1):
+        return model(input_ids=input_ids_BL).logits
+    return model(input_ids=input_ids_BL, attention_mask=valid_BL.long()).logits

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from opd.generation.packed import packed_forward
+from opd.generation.packed import causal_forward, packed_forward
 from opd.losses import combined_loss
 from opd.models import load_model, load_tokenizer, save_model
 from opd.trajectory import TokenBatch
@@ -68,7 +68,7 @@ def student_logprobs(model, batch: TokenBatch, temperature: float = 1.0) -> tupl
     that sampled the tokens (the behaviour logprobs are of ``softmax(logits / temperature)``).
     """
     if batch.branch_ids_BT is None:
-        logits_BTV = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits.float()
+        logits_BTV = causal_forward(model, batch.input_ids_BT, batch.attention_mask_BT).float()
     else:  # packed rows: a trunk and branches, one forward (see TokenBatch.branch_ids_BT)
         logits_BTV = packed_forward(model, batch.input_ids_BT, batch.position_ids_BT, batch.branch_ids_BT,
                                     batch.attention_mask_BT.bool()).float()

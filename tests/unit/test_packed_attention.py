@@ -110,3 +110,35 @@ def test_a_model_that_drops_the_layout_gets_the_masked_forward(tokenizer, fmt, c
     keep = valid[..., None]
     assert torch.allclose(masked * keep, fallback * keep, atol=1e-6)
     assert "one-mask forward" in caplog.text
+
+
+def test_right_padded_rows_run_causal_without_the_padding_mask(tokenizer, fmt):
+    """Plain rows of different lengths: the logits and gradients at valid positions are the
+    masked forward's, and attention runs causal with no mask (the fast path)."""
+    ids = torch.randint(5, len(tokenizer), (3, 40))
+    valid = torch.arange(40) < torch.tensor([[40], [23], [1]])
+    model = _gqa_qwen3(len(tokenizer))
+    masked, masked_grads = _logits_and_grads(model, lambda: model(input_ids=ids, attention_mask=valid.long()).logits, valid)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", wraps=sdpa) as spy:
+        fast, fast_grads = _logits_and_grads(model, lambda: packed.causal_forward(model, ids, valid), valid)
+    keep = valid[..., None]
+    assert torch.allclose(masked * keep, fast * keep, atol=1e-5), (masked - fast).abs().mul(keep).max()
+    for name, grad in masked_grads.items():
+        assert torch.allclose(grad, fast_grads[name], atol=1e-6, rtol=1e-4), name
+    assert len(spy.call_args_list) == 2  # one per layer
+    assert all(c.kwargs.get("attn_mask") is None and c.kwargs.get("is_causal") for c in spy.call_args_list)
+
+
+def test_left_padded_rows_keep_the_padding_mask(tokenizer, fmt):
+    ids = torch.randint(5, len(tokenizer), (2, 30))
+    valid = torch.ones(2, 30, dtype=torch.bool)
+    valid[1, :12] = False  # left padding: a valid query would see it without the mask
+    model = _gqa_qwen3(len(tokenizer)).eval()
+    with torch.no_grad():
+        masked = model(input_ids=ids, attention_mask=valid.long()).logits
+        plain = model(input_ids=ids).logits
+        got = packed.causal_forward(model, ids, valid)
+    keep = valid[..., None]
+    assert torch.allclose(masked * keep, got * keep, atol=1e-6)
+    assert not torch.allclose(masked * keep, plain * keep, atol=1e-3)  # the mask matters here
