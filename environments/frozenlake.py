@@ -125,6 +125,12 @@ class FrozenLakeTextEnv(gymnasium.Env):
         split_seed: Seed of the task generator (not of episodes).
         describe_surroundings: Append a line naming the cell (or wall) one move away in each
             direction.
+        hole_restarts: A hole sends the agent back to the start instead of ending the episode
+            (as in most text games, a mistake costs turns, not the episode): every episode then
+            runs until the goal or ``max_turns``.
+        describe_position: Add a line ``Position: row r, column c.`` (from 1, top left) after
+            the grid: a move then shows as a change of one number, which a tiny model reads far
+            more easily than the ``A`` moving in the grid (ActFirst's inverse dynamics).
         render_mode: None or "ansi"; ``render()`` returns the current text either way.
     """
 
@@ -141,6 +147,8 @@ class FrozenLakeTextEnv(gymnasium.Env):
         invalid_action_penalty: float = 0.1,
         split_seed: int = 0,
         describe_surroundings: bool = True,
+        hole_restarts: bool = False,
+        describe_position: bool = False,
         render_mode: str | None = None,
     ) -> None:
         _check_int("map_size", map_size, minimum=2)
@@ -161,6 +169,8 @@ class FrozenLakeTextEnv(gymnasium.Env):
         self.invalid_action_penalty = float(invalid_action_penalty)
         self.split_seed = split_seed
         self.describe_surroundings = bool(describe_surroundings)
+        self.hole_restarts = bool(hole_restarts)
+        self.describe_position = bool(describe_position)
         self.render_mode = render_mode
         charset = string.printable  # letters, digits, punctuation, space and "\n"
         self.observation_space = gymnasium.spaces.Text(max_length=256 + 2 * map_size * map_size, charset=charset)
@@ -247,6 +257,10 @@ class FrozenLakeTextEnv(gymnasium.Env):
             success = cell == "G"
             if cell == "G":
                 prefix = "You reached the goal!\n"
+            elif cell == "H" and self.hole_restarts:
+                prefix = "You fell into a hole and went back to the start.\n"
+                terminated = False
+                self._lake.s = self._start_state()
             elif cell == "H":
                 prefix = "You fell into a hole.\n"
             elif int(state) == before:
@@ -259,15 +273,24 @@ class FrozenLakeTextEnv(gymnasium.Env):
         self._last_obs = obs
         return obs, reward, bool(terminated), truncated, self._info(success=success, valid_action=move is not None)
 
+    def _start_state(self) -> int:
+        for row, line in enumerate(self._desc):
+            if "S" in line:
+                return row * self.map_size + line.index("S")
+        raise RuntimeError(f"task {self._task!r} has no start cell S")
+
     def render(self) -> str:
         """The current observation text ("" before the first reset)."""
         return self._last_obs
 
     def _grid(self) -> str:
-        grid = render_grid(self._desc, self.agent_cell)
-        if not self.describe_surroundings:
-            return grid
-        return grid + "\n" + surroundings(self._desc, self.agent_cell)
+        lines = [render_grid(self._desc, self.agent_cell)]
+        if self.describe_position:
+            row, col = self.agent_cell
+            lines.append(f"Position: row {row + 1}, column {col + 1}.")
+        if self.describe_surroundings:
+            lines.append(surroundings(self._desc, self.agent_cell))
+        return "\n".join(lines)
 
     def _info(self, *, success: bool, valid_action: bool) -> dict[str, Any]:
         return {

@@ -185,6 +185,33 @@ def test_hole_terminates_with_zero_reward() -> None:
     assert obs == "You fell into a hole.\n" + grid_text(env.task_map(task), (1, 0))
 
 
+def test_hole_restarts_sends_the_agent_back_to_the_start() -> None:
+    env = FrozenLakeTextEnv(hole_restarts=True, max_turns=4, **SMALL)
+    task = find_task(env, lambda m: m[1][0] == "H")
+    env.reset(seed=0, options={"task": task})
+    obs, reward, terminated, truncated, info = env.step("down")  # into the hole at (1, 0)
+    assert (reward, terminated, truncated, info["success"], info["valid_action"]) == (0.0, False, False, False, True)
+    assert obs == "You fell into a hole and went back to the start.\n" + grid_text(env.task_map(task), (0, 0))
+    assert env.agent_cell == (0, 0) and info["expert_action"] == expert_action(env.reset(seed=0, options={"task": task})[1])
+    env.reset(seed=0, options={"task": task})
+    for _ in range(3):
+        obs, reward, terminated, truncated, info = env.step("down")
+        assert not terminated and env.agent_cell == (0, 0)
+    obs, reward, terminated, truncated, info = env.step("down")
+    assert (terminated, truncated) == (False, True)  # only the turn budget ends it
+
+
+def test_position_line_counts_from_one() -> None:
+    env = FrozenLakeTextEnv(describe_position=True, **SMALL)
+    task = find_task(env, lambda m: m[0][1] != "H" and m[1][1] != "H")
+    obs, _ = env.reset(seed=0, options={"task": task})
+    assert obs == INSTRUCTION + grid_text(env.task_map(task), (0, 0)).replace(
+        "\nAround you", "\nPosition: row 1, column 1.\nAround you")
+    env.step("right")
+    obs, *_ = env.step("down")
+    assert "\nPosition: row 2, column 2.\nAround you: " in obs
+
+
 def test_invalid_action_message_penalty_and_no_move() -> None:
     env = FrozenLakeTextEnv(**SMALL)
     env.reset(seed=0, options={"task": "fl4-eval-00000"})
