@@ -62,6 +62,7 @@ def find_task(env: FrozenLakeTextEnv, predicate) -> str:
 def test_check_env_passes_on_frozenlake() -> None:
     check_env(ENV_ID)
     check_env(make_env(ENV_ID, **SMALL))  # instance path: fresh copies from env.spec
+    check_env(make_env(ENV_ID, hole_restarts=True, describe_position=True, **SMALL))
 
 
 class _BrokenEnv(gymnasium.Env):
