@@ -260,7 +260,7 @@ class FrozenLakeTextEnv(gymnasium.Env):
             elif cell == "H" and self.hole_restarts:
                 prefix = "You fell into a hole and went back to the start.\n"
                 terminated = False
-                self._lake.s = self._start_state()
+                self._lake.s = int(np.argmax(self._lake.initial_state_distrib))  # the engine's S
             elif cell == "H":
                 prefix = "You fell into a hole.\n"
             elif int(state) == before:
@@ -272,12 +272,6 @@ class FrozenLakeTextEnv(gymnasium.Env):
         self._done = bool(terminated or truncated)
         self._last_obs = obs
         return obs, reward, bool(terminated), truncated, self._info(success=success, valid_action=move is not None)
-
-    def _start_state(self) -> int:
-        for row, line in enumerate(self._desc):
-            if "S" in line:
-                return row * self.map_size + line.index("S")
-        raise RuntimeError(f"task {self._task!r} has no start cell S")
 
     def render(self) -> str:
         """The current observation text ("" before the first reset)."""
