@@ -58,6 +58,9 @@ class BootstrapConfig:
     tokenizer: str = ""  # "": that trained BPE; "smollm2": SmolLM2's own (offline); or a tokenizer directory
     think: str = ""  # "": the response is the action; "plan": a <think> block (state and plan) before it
     action_only_prob: float = 0.0  # share of turns also trained in ActFirst's action-only prompts
+    history: str = "full"  # what past turns show in the SFT rows: full (their whole response) |
+    # state_grounded (their action only; one packed row per episode, each response a branch):
+    # the view a state-grounded teacher scores in
     hint_prob: float = 0.0  # share of turns also trained with PivotOPD's hint line (the self-teacher reads hints)
     seed: Optional[int] = None  # model seed; None: run.seed (teacher) / run.seed + 1 (student)
     cache_dir: str = "~/.cache/opd/bootstrap"  # where built models are kept between runs
@@ -451,6 +454,7 @@ def _validate_model(model: Any, role: str, source: str) -> None:
     if model.bootstrap is not None:
         _check_choice(model.bootstrap.policy, BOOTSTRAP_POLICIES, f"{role}.bootstrap.policy", source)
         _check_choice(model.bootstrap.think, ("", "plan"), f"{role}.bootstrap.think", source)
+        _check_choice(model.bootstrap.history, ("full", "state_grounded"), f"{role}.bootstrap.history", source)
         if not 0.0 <= model.bootstrap.hint_prob <= 1.0:
             raise ConfigError(f"{source}: key '{role}.bootstrap.hint_prob' is {model.bootstrap.hint_prob}; expected 0 <= p <= 1.")
         if not 0.0 <= model.bootstrap.action_only_prob <= 1.0:

@@ -267,7 +267,10 @@ class TokenBatch:
 
     @staticmethod
     def from_rows(rows: list[dict[str, list]], pad_id: int) -> "TokenBatch":
-        """Right-pad per-sequence lists (keys as the field names without suffix) into tensors."""
+        """Right-pad per-sequence lists (keys as the field names without suffix) into tensors.
+
+        Rows with ``position_ids`` and ``branch_ids`` are packed (a trunk and branches, see
+        :attr:`position_ids_BT`); a plain row in the same batch becomes a trunk alone."""
         width = max(len(r["input_ids"]) for r in rows)
 
         def pad(key: str, value: float | int, dtype: torch.dtype) -> torch.Tensor:
@@ -277,6 +280,13 @@ class TokenBatch:
                     out[i, : len(r[key])] = torch.tensor(r[key], dtype=dtype)
             return out
 
+        packed = {}
+        if any("branch_ids" in r for r in rows):
+            position_BT = pad("position_ids", 0, torch.long)
+            for i, r in enumerate(rows):
+                if "position_ids" not in r:  # a plain row among packed ones: a trunk alone
+                    position_BT[i, : len(r["input_ids"])] = torch.arange(len(r["input_ids"]))
+            packed = {"position_ids_BT": position_BT, "branch_ids_BT": pad("branch_ids", 0, torch.long)}
         return TokenBatch(
             input_ids_BT=pad("input_ids", pad_id, torch.long),
             attention_mask_BT=pad("attention_mask", 0, torch.long),
@@ -284,6 +294,7 @@ class TokenBatch:
             behaviour_logprobs_BT=pad("behaviour_logprobs", 0.0, torch.float32),
             teacher_logprobs_BT=pad("teacher_logprobs", 0.0, torch.float32),
             turn_index_BT=pad("turn_index", -1, torch.long),
+            **packed,
         )
 
 

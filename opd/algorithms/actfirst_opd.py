@@ -67,7 +67,8 @@ def build_episode_batch(trajs: list[Trajectory], scores: list[TokenScores], pad_
         packed = pack_trajectory(traj, "state_grounded", fmt)
         n = len(packed.input_ids)
         row = {"input_ids": packed.input_ids, "attention_mask": [1] * n, "loss_mask": [0.0] * n,
-               "behaviour_logprobs": [0.0] * n, "teacher_logprobs": [0.0] * n, "turn_index": [-1] * n}
+               "behaviour_logprobs": [0.0] * n, "teacher_logprobs": [0.0] * n, "turn_index": [-1] * n,
+               "position_ids": packed.position_ids, "branch_ids": packed.branch_ids}
         behaviour = [lp for turn in traj.turns for lp in turn.response_logprobs]
         turn_of = [t for t, turn in enumerate(traj.turns) for _ in turn.response_ids]
         for k, i in enumerate(packed.target_index):
@@ -76,28 +77,22 @@ def build_episode_batch(trajs: list[Trajectory], scores: list[TokenScores], pad_
             row["teacher_logprobs"][i] = score.logprobs[k]
             row["turn_index"][i] = turn_of[k]
         rows.append(row)
-        targets.append((packed.position_ids, packed.branch_ids, torch.tensor(packed.target_index, dtype=torch.long)))
+        targets.append(torch.tensor(packed.target_index, dtype=torch.long))
     batch = TokenBatch.from_rows(rows, pad_id)
     B, T = batch.input_ids_BT.shape
-    position_BT = torch.zeros(B, T, dtype=torch.long)
-    branch_BT = torch.zeros(B, T, dtype=torch.long)
-    for r, (position, branch, _) in enumerate(targets):
-        position_BT[r, : len(position)] = torch.tensor(position)
-        branch_BT[r, : len(branch)] = torch.tensor(branch)
-    batch = replace(batch, position_ids_BT=position_BT, branch_ids_BT=branch_BT)
     if scores and scores[0].topk_ids is not None:
         K = scores[0].topk_ids.shape[1]
         ids_BTK = torch.zeros(B, T, K, dtype=torch.long)
         logp_BTK = torch.full((B, T, K), float("-inf"))
         tail_BT = torch.zeros(B, T)
-        for r, (score, (_, _, index)) in enumerate(zip(scores, targets)):
+        for r, (score, index) in enumerate(zip(scores, targets)):
             ids_BTK[r, index] = score.topk_ids
             logp_BTK[r, index] = score.topk_logprobs
             tail_BT[r, index] = score.tail_logprob
         batch = replace(batch, teacher_topk_ids_BTK=ids_BTK, teacher_topk_logprobs_BTK=logp_BTK, teacher_tail_logprob_BT=tail_BT)
     if scores and scores[0].full_logprobs is not None:
         full_BTV = torch.zeros(B, T, scores[0].full_logprobs.shape[1])
-        for r, (score, (_, _, index)) in enumerate(zip(scores, targets)):
+        for r, (score, index) in enumerate(zip(scores, targets)):
             full_BTV[r, index] = score.full_logprobs
         batch = replace(batch, teacher_full_logprobs_BTV=full_BTV)
     rewards = torch.tensor([traj.total_reward for traj in trajs])

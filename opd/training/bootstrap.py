@@ -10,7 +10,7 @@ tokenizer is trained on the environment's own text, then
 Both share the one tokenizer, so the teacher can score the student's tokens. Built models live
 under ``bootstrap.cache_dir/<hash>/`` and are reused by every later run with the same settings.
 
-For ActFirst (``docs/actfirst.md``) two options shape the SFT targets:
+For ActFirst (``docs/actfirst.md``) three options shape the SFT rows:
 
 - ``think: plan`` puts a ``<think> ... </think>`` block before each action: a state summary (the
   observation's last line) and a plan naming the move (:func:`plan_text`), so a full response
@@ -20,6 +20,9 @@ For ActFirst (``docs/actfirst.md``) two options shape the SFT targets:
   action-only prompts (:func:`opd.rollout.actfirst.action_only_prompt_ids`; with the reference
   next observation, the one the move led to, or without) and, with ``think``, the standard
   prompt answered with the full response (where ActFirst's full requests are made).
+- ``history: state_grounded`` trains every response after its state-grounded context (past
+  turns show their action only), one packed row per episode with each response a branch: the
+  view in which a ``state_grounded`` teacher scores, and ActFirst's student is evaluated.
 
 Their defaults leave the targets, and the cache keys of models built before them, unchanged.
 
@@ -158,18 +161,42 @@ def _response_ids(obs: str, action: str, tokenizer, fmt: ChatFormat, think: str)
     return block + action_ids, len(block)
 
 
-def _sft_row(steps: list[tuple[str, str, bool]], task: str, tokenizer, fmt: ChatFormat, think: str = "") -> dict[str, list]:
-    """One SFT sequence; turns not to be trained on (exploration) get no loss."""
+def _sft_row(steps: list[tuple[str, str, bool]], task: str, tokenizer, fmt: ChatFormat, think: str = "",
+             history: str = "full") -> dict[str, list]:
+    """One SFT sequence; turns not to be trained on (exploration) get no loss.
+
+    With ``history: state_grounded`` the row is packed as a state-grounded teacher scores an
+    episode (:func:`opd.supervision.teacher_view.pack_trajectory`): past turns show their
+    action only, and each turn's response is a branch after its own context.
+    """
     traj = Trajectory(task=task)
     for k, (obs, action, _) in enumerate(steps[:-1]):
         prompt = first_prompt_ids(fmt, tokenizer, obs) if k == 0 else next_prompt_ids(fmt, tokenizer, obs)
         response, start = _response_ids(obs, action, tokenizer, fmt, think)
         traj.turns.append(Turn(prompt_ids=prompt, response_ids=response, response_logprobs=[0.0] * len(response),
                                action_start=start, action_end=len(response) - 1, action_text=action))
+    if history == "state_grounded":
+        return _packed_row(traj, [train_on for _, _, train_on in steps[:-1]], fmt)
     row = student_sequence(traj, fmt)
     for (start, end), (_, _, train_on) in zip(row["response_positions"], steps):
         if not train_on:
             row["loss_mask"][start:end] = [0.0] * (end - start)
+    return row
+
+
+def _packed_row(traj: Trajectory, train_on: list[bool], fmt: ChatFormat) -> dict[str, list]:
+    """``traj`` as one state-grounded packed row, the loss on the responses of ``train_on`` turns."""
+    from opd.supervision.teacher_view import pack_trajectory
+
+    packed = pack_trajectory(traj, "state_grounded", fmt)
+    n = len(packed.input_ids)
+    row = {"input_ids": packed.input_ids, "attention_mask": [1] * n, "loss_mask": [0.0] * n,
+           "behaviour_logprobs": [0.0] * n, "turn_index": [-1] * n,
+           "position_ids": packed.position_ids, "branch_ids": packed.branch_ids}
+    turn_of = [t for t, turn in enumerate(traj.turns) for _ in turn.response_ids]
+    for t, i in zip(turn_of, packed.target_index):
+        row["turn_index"][i] = t
+        row["loss_mask"][i] = 1.0 if train_on[t] else 0.0
     return row
 
 
@@ -220,7 +247,8 @@ def bootstrap_key(boot: Any, env_cfg: Any, seed: int) -> str:
     settings = {k: v for k, v in _plain(boot).items() if k != "cache_dir" and not (k == "tokenizer" and not v)
                 and not (k == "corpus_episodes" and v == TOKENIZER_CORPUS_EPISODES)
                 and not (k == "think" and not v) and not (k == "action_only_prob" and not v)
-                and not (k == "hint_prob" and not v) and k != "seed"}  # the seed is the argument
+                and not (k == "hint_prob" and not v) and not (k == "history" and v == "full")
+                and k != "seed"}  # the seed is the argument
     if boot.action_only_prob:
         settings["actfirst_layouts"] = 2  # the standard prompt joined the layouts: new targets, new key
     return _digest({"v": CACHE_VERSION, "boot": settings, "env": env_cfg.id,
@@ -244,7 +272,7 @@ def build_bootstrap_model(boot: Any, env_cfg: Any, seed: int, log: Callable[[str
     for i in range(boot.n_episodes):
         task = tasks[i % len(tasks)]
         steps = scripted_episode(env, task, choose, seed=i, explore_prob=boot.explore_prob, rng=rng)
-        rows.append(_sft_row(steps, task, tokenizer, fmt, boot.think))
+        rows.append(_sft_row(steps, task, tokenizer, fmt, boot.think, boot.history))
         if boot.action_only_prob > 0:
             rows += _actfirst_rows(steps, tokenizer, fmt, boot.action_only_prob, boot.think, action_only_rng)
         if boot.hint_prob > 0:

@@ -300,6 +300,45 @@ def test_plan_targets_are_long_and_keep_the_action_parseable(tokenizer, fmt):
     assert all(tokenizer.decode(r["input_ids"]).count("<think>") == 1 for r in full)
 
 
+def test_state_grounded_sft_rows_train_each_response_in_its_state_grounded_context(tokenizer, fmt, tiny_model_dir):
+    """``bootstrap.history: state_grounded``: one packed row per episode whose logprobs on every
+    response equal those of that response after its own state-grounded context (past turns as
+    actions only), built here by hand; exploratory turns get no loss."""
+    import random
+
+    from opd.chat import first_prompt_ids, next_prompt_ids
+    from opd.training.bootstrap import _policy, _response_ids, _sft_row, scripted_episode
+    from opd.training.trainer import token_logprobs
+    from opd.trajectory import TokenBatch
+
+    env = FrozenLakeTextEnv(**{**KWARGS, "max_turns": 8})
+    steps = next(s for seed in range(50) for s in [scripted_episode(env, env.task_ids("train")[seed], _policy(
+        "expert", random.Random(seed)), seed=seed, explore_prob=0.4)] if len(s) > 4 and not all(t for *_, t in s[:-1]))
+    row = _sft_row(steps, "t", tokenizer, fmt, think="plan", history="state_grounded")
+    plain = TokenBatch.from_rows([{k: v for k, v in row.items() if k not in ("position_ids", "branch_ids")}], fmt.pad_id)
+    packed = TokenBatch.from_rows([row], fmt.pad_id)
+    assert plain.branch_ids_BT is None and packed.branch_ids_BT is not None
+    trunk = [i for i, b in zip(row["input_ids"], row["branch_ids"]) if b == 0]
+    assert tokenizer.decode(trunk).count("<think>") == 0  # past turns show their action only
+    model = load_model(tiny_model_dir)
+    with torch.no_grad():
+        got = token_logprobs(model, packed)[0]
+    history: list[int] = []
+    for k, (obs, action, train_on) in enumerate(steps[:-1]):
+        prompt = history + (first_prompt_ids(fmt, tokenizer, obs) if k == 0 else next_prompt_ids(fmt, tokenizer, obs))
+        response = _response_ids(obs, action, tokenizer, fmt, "plan")[0]
+        with torch.no_grad():
+            want = token_logprobs(model, TokenBatch.from_rows([{"input_ids": prompt + response,
+                                                                "attention_mask": [1] * (len(prompt) + len(response))}],
+                                                              fmt.pad_id))[0, len(prompt):]
+        index = [i for i, t in enumerate(row["turn_index"]) if t == k]
+        assert [row["input_ids"][i] for i in index] == response
+        torch.testing.assert_close(got[index], want, atol=1e-5, rtol=1e-5)
+        assert {row["loss_mask"][i] for i in index} == {1.0 if train_on else 0.0}
+        history = prompt + tokenizer.encode(action, add_special_tokens=False) + [fmt.im_end_id, *fmt.newline_ids]
+    assert sum(row["loss_mask"]) == sum(len(_response_ids(o, a, tokenizer, fmt, "plan")[0]) for o, a, t in steps[:-1] if t)
+
+
 def test_default_bootstrap_options_keep_existing_cache_keys():
     from pathlib import Path
 
@@ -309,5 +348,8 @@ def test_default_bootstrap_options_keep_existing_cache_keys():
     tiny = load_config(Path(__file__).resolve().parents[1] / "data" / "tiny.yaml")
     # Pinned: the keys of models built before think/action_only_prob existed.
     assert bootstrap_key(tiny.teacher.bootstrap, tiny.env, 0) == "18183234cb4721d7"
+    tiny.teacher.bootstrap.history = "state_grounded"
+    assert bootstrap_key(tiny.teacher.bootstrap, tiny.env, 0) != "18183234cb4721d7"
+    tiny.teacher.bootstrap.history = "full"
     tiny.teacher.bootstrap.think = "plan"
     assert bootstrap_key(tiny.teacher.bootstrap, tiny.env, 0) != "18183234cb4721d7"

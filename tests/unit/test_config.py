@@ -103,6 +103,7 @@ def test_impossible_resources_are_refused():
         ("trainer.micro_batch_tokens=-1", "key 'trainer.micro_batch_tokens' is -1; expected a number >= 0"),
         ("supervision.score_batch_tokens=-5", "key 'supervision.score_batch_tokens' is -5; expected a number >= 0"),
         ("notakey", "override 'notakey' is not key=value"),
+        ("teacher.bootstrap.history=actions", "key 'teacher.bootstrap.history' is 'actions'; expected one of full, state_grounded"),
     ],
 )
 def test_bad_values_are_refused_with_the_key(override, fragment):
