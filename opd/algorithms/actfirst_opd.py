@@ -40,7 +40,7 @@ from opd.losses import group_advantages
 from opd.rollout.actfirst import ActFirstSettings, TransitionCheck, collect_actfirst
 from opd.rollout.references import load_references
 from opd.runtime.actors import sync_weights
-from opd.supervision.teacher_view import pack_trajectory
+from opd.supervision.teacher_view import packed_row
 from opd.trajectory import TokenBatch, Trajectory
 
 
@@ -64,20 +64,14 @@ def build_episode_batch(trajs: list[Trajectory], scores: list[TokenScores], pad_
     """
     rows, targets = [], []
     for traj, score in zip(trajs, scores):
-        packed = pack_trajectory(traj, "state_grounded", fmt)
-        n = len(packed.input_ids)
-        row = {"input_ids": packed.input_ids, "attention_mask": [1] * n, "loss_mask": [0.0] * n,
-               "behaviour_logprobs": [0.0] * n, "teacher_logprobs": [0.0] * n, "turn_index": [-1] * n,
-               "position_ids": packed.position_ids, "branch_ids": packed.branch_ids}
+        row, index = packed_row(traj, fmt)
+        row["teacher_logprobs"] = [0.0] * len(row["input_ids"])
         behaviour = [lp for turn in traj.turns for lp in turn.response_logprobs]
-        turn_of = [t for t, turn in enumerate(traj.turns) for _ in turn.response_ids]
-        for k, i in enumerate(packed.target_index):
-            row["loss_mask"][i] = 1.0
+        for k, i in enumerate(index):
             row["behaviour_logprobs"][i] = behaviour[k]
             row["teacher_logprobs"][i] = score.logprobs[k]
-            row["turn_index"][i] = turn_of[k]
         rows.append(row)
-        targets.append(torch.tensor(packed.target_index, dtype=torch.long))
+        targets.append(torch.tensor(index, dtype=torch.long))
     batch = TokenBatch.from_rows(rows, pad_id)
     B, T = batch.input_ids_BT.shape
     if scores and scores[0].topk_ids is not None:

@@ -61,6 +61,22 @@ def pack_trajectory(traj: Trajectory, view: str, fmt: ChatFormat) -> ScoreReques
     return ScoreRequest(ids, pos, branch, target, source, meta={"task": traj.task})
 
 
+def packed_row(traj: Trajectory, fmt: ChatFormat, view: str = "state_grounded") -> tuple[dict[str, list], list[int]]:
+    """``traj`` packed in ``view`` as a training row for :meth:`TokenBatch.from_rows`, with
+    ``loss_mask`` 1.0 and ``turn_index`` t on the tokens of each response ``y_t``; also returns
+    those tokens' indices in the row, turns in order (where per-token values go)."""
+    packed = pack_trajectory(traj, view, fmt)
+    n = len(packed.input_ids)
+    row = {"input_ids": packed.input_ids, "attention_mask": [1] * n, "loss_mask": [0.0] * n,
+           "behaviour_logprobs": [0.0] * n, "turn_index": [-1] * n,
+           "position_ids": packed.position_ids, "branch_ids": packed.branch_ids}
+    turn_of = [t for t, turn in enumerate(traj.turns) for _ in turn.response_ids]
+    for t, i in zip(turn_of, packed.target_index):
+        row["loss_mask"][i] = 1.0
+        row["turn_index"][i] = t
+    return row, packed.target_index
+
+
 def naive_requests(traj: Trajectory, view: str, fmt: ChatFormat) -> list[ScoreRequest]:
     """One unpacked request per turn: the reference that packing must reproduce (and the
     baseline of the prefix-sharing benchmark)."""

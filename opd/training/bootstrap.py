@@ -176,27 +176,15 @@ def _sft_row(steps: list[tuple[str, str, bool]], task: str, tokenizer, fmt: Chat
         traj.turns.append(Turn(prompt_ids=prompt, response_ids=response, response_logprobs=[0.0] * len(response),
                                action_start=start, action_end=len(response) - 1, action_text=action))
     if history == "state_grounded":
-        return _packed_row(traj, [train_on for _, _, train_on in steps[:-1]], fmt)
+        from opd.supervision.teacher_view import packed_row
+
+        row, _ = packed_row(traj, fmt)
+        row["loss_mask"] = [m if t < 0 or steps[t][2] else 0.0 for m, t in zip(row["loss_mask"], row["turn_index"])]
+        return row
     row = student_sequence(traj, fmt)
     for (start, end), (_, _, train_on) in zip(row["response_positions"], steps):
         if not train_on:
             row["loss_mask"][start:end] = [0.0] * (end - start)
-    return row
-
-
-def _packed_row(traj: Trajectory, train_on: list[bool], fmt: ChatFormat) -> dict[str, list]:
-    """``traj`` as one state-grounded packed row, the loss on the responses of ``train_on`` turns."""
-    from opd.supervision.teacher_view import pack_trajectory
-
-    packed = pack_trajectory(traj, "state_grounded", fmt)
-    n = len(packed.input_ids)
-    row = {"input_ids": packed.input_ids, "attention_mask": [1] * n, "loss_mask": [0.0] * n,
-           "behaviour_logprobs": [0.0] * n, "turn_index": [-1] * n,
-           "position_ids": packed.position_ids, "branch_ids": packed.branch_ids}
-    turn_of = [t for t, turn in enumerate(traj.turns) for _ in turn.response_ids]
-    for t, i in zip(turn_of, packed.target_index):
-        row["turn_index"][i] = t
-        row["loss_mask"][i] = 1.0 if train_on[t] else 0.0
     return row
 
 
