@@ -391,6 +391,47 @@ def sft(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, dict[s
     return reduce_tokens(nll_BT, batch, cfg), {"nll": float(masked_mean(nll_BT.detach(), batch.loss_mask_BT))}
 
 
+@register_loss("reference_kl")
+def reference_kl(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    """An anchor to the frozen starting student ``pi_ref`` on the sampled response tokens, next to
+    a distillation loss: it keeps the policy near where training began on the states it visits
+    (GRPO's KL penalty).
+
+    With ``r = log pi_ref(x) - log pi_S(x)`` for each response token ``x`` (sampled on policy):
+
+    - ``k3`` (default): ``exp(r) - r - 1``, never negative. Its value estimates
+      ``KL(pi_S || pi_ref)`` without bias; its gradient, in expectation over ``x ~ pi_S``, is that
+      of ``KL(pi_ref || pi_S)``: it keeps mass on what the starting student said.
+    - ``k2``: ``r**2 / 2``; in expectation its gradient is that of ``KL(pi_S || pi_ref)``.
+
+    The trainer fills ``batch.reference_logprobs_BT`` (a frozen copy of the starting weights, one
+    forward without gradient per micro-batch) because this function sets ``needs_reference``; a
+    user's loss that sets it gets them too. Shapes: ``[B, T]``; returns a scalar. Args:
+    ``estimator`` (k3 | k2), ``normalize``, ``turn_weights``. Metric: ``kl``, the mean k3 (the
+    estimate of ``KL(pi_S || pi_ref)``) whatever the estimator.
+    """
+    if batch.reference_logprobs_BT is None:
+        raise ValueError("reference_kl needs batch.reference_logprobs_BT; the trainer fills it for a loss that "
+                         "sets needs_reference (a custom loss calling reference_kl must set it too)")
+    estimator = cfg.get("estimator", "k3")
+    if estimator not in ("k3", "k2"):
+        raise ValueError(f"reference_kl: estimator={estimator!r}; expected k3 or k2")
+    mask_BT = batch.loss_mask_BT
+    r_BT = torch.where(mask_BT > 0, batch.reference_logprobs_BT - batch.student_logprobs_BT, 0.0)
+    k3_BT = torch.exp(r_BT) - r_BT - 1.0
+    values_BT = k3_BT if estimator == "k3" else 0.5 * r_BT**2
+    return reduce_tokens(values_BT, batch, cfg), {"kl": float(masked_mean(k3_BT.detach(), mask_BT))}
+
+
+reference_kl.needs_reference = True
+
+
+def needs_reference(terms: list[tuple[str, float, Mapping[str, Any]]]) -> bool:
+    """Whether any term's function sets ``needs_reference`` (the trainer then keeps a frozen copy
+    of the starting weights and fills ``reference_logprobs_BT``)."""
+    return any(getattr(resolve_loss(name), "needs_reference", False) for name, _, _ in terms)
+
+
 def combined_loss(batch: TokenBatch, terms: list[tuple[str, float, Mapping[str, Any]]]) -> tuple[torch.Tensor, dict[str, float]]:
     """``sum_i weight_i * loss_i``; each term's metrics are prefixed with its name."""
     total = None

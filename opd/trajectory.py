@@ -133,6 +133,9 @@ class TokenBatch:
         recovery_mask_BT: float32 PivotOPD: 1.0 on the self-teacher's response tokens in the
             recovery rows (which have no ``loss_mask_BT`` tokens), for ``pivot_recovery``; the
             ``teacher_topk_*`` fields of those rows hold the hinted self-teacher's top-k.
+        reference_logprobs_BT: float32 logprobs of the tokens under the frozen starting student
+            (the weights training began from), at the rollout temperature; set by the trainer
+            when a loss needs them (``needs_reference``, e.g. ``reference_kl``).
         position_ids_BT, branch_ids_BT: int64, packed rows only (e.g. ActFirst's one row per
             episode): a row is a trunk with branches (:func:`opd.supervision.teacher_view.pack_trajectory`),
             token t at position ``position_ids_BT[:, t]``, seeing the trunk before it and its own
@@ -161,6 +164,7 @@ class TokenBatch:
     student_logprobs_BTV: torch.Tensor | None = None
     pivot_mask_BT: torch.Tensor | None = None
     recovery_mask_BT: torch.Tensor | None = None
+    reference_logprobs_BT: torch.Tensor | None = None
     position_ids_BT: torch.Tensor | None = None
     branch_ids_BT: torch.Tensor | None = None
     totals: dict[str, float] | None = None

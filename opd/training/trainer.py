@@ -21,13 +21,14 @@ import math
 import os
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from opd.generation.packed import causal_forward, packed_forward
-from opd.losses import combined_loss
+from opd.losses import combined_loss, needs_reference
 from opd.models import load_model, load_tokenizer, save_model
 from opd.trajectory import TokenBatch
 
@@ -157,8 +158,16 @@ class StudentTrainer:
         }
         if dtype == "bfloat16":
             ds_config["bf16"] = {"enabled": True}
+        # A loss anchored to the starting weights (reference_kl) gets their logprobs from a
+        # frozen copy; a resumed run still loads the starting weights here, not the checkpoint's.
+        self.reference = None
+        if needs_reference(loss_terms):
+            self.reference = load_model(model_dir, dtype=dtype, trust_remote_code=trust_remote_code).eval()
+            self.reference.requires_grad_(False)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                     config=ds_config)
+        if self.reference is not None:
+            self.reference.to(self.engine.device)
         self.zero_stage = int(trainer_cfg.zero_stage)
         self.steps = 0
 
@@ -182,6 +191,10 @@ class StudentTrainer:
         for m, micro in enumerate(micro_batches):
             self.engine.set_gradient_accumulation_boundary(m == len(micro_batches) - 1)
             micro = micro.to(self.engine.device)
+            if self.reference is not None:
+                with torch.no_grad():
+                    reference_BT = student_logprobs(self.reference, micro, self.temperature)[0]
+                micro = replace(micro, reference_logprobs_BT=reference_BT)
             micro = micro.with_student(*student_logprobs(self.engine, micro, self.temperature))
             loss, metrics = combined_loss(micro, self.loss_terms)
             if not torch.isfinite(loss):

@@ -102,3 +102,36 @@ def test_any_row_count_gives_the_whole_batch_gradient(rows, packed, batch_tokens
     assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-5)
     assert metrics["grad_norm"] == pytest.approx(expected_norm, rel=1e-3)
     assert max((after[k] - before[k]).abs().max().item() for k in before) > 0  # one optimizer step was taken
+
+
+def test_reference_kl_anchors_to_the_starting_weights(tokenizer, fmt, tiny_model_dir):
+    """With ``reference_kl`` the trainer keeps a frozen copy of the starting weights: the anchor
+    is 0 at the first step, and after an update the loss equals a plain PyTorch computation with
+    the updated student against the untouched starting model."""
+    from dataclasses import replace
+
+    from opd.losses import combined_loss
+    from opd.models import load_model
+    from opd.training.trainer import StudentTrainer, token_logprobs
+
+    cfg = OmegaConf.structured(TrainerConfig(learning_rate=1e-2, micro_batch_size=2, zero_stage=1, grad_clip_norm=1e9))
+    terms = [("reverse_kl", 1.0, {}), ("reference_kl", 0.5, {})]
+    batch = _batch(tokenizer, fmt, 4, seed=3)
+    trainer = StudentTrainer(cfg, terms, tiny_model_dir, episodes_per_step=4)
+    first = trainer.train_step(batch)
+    assert first["reference_kl/kl"] == pytest.approx(0.0, abs=1e-7)
+    moved = trainer.export_weights()
+    second = trainer.train_step(batch)
+
+    start = load_model(tiny_model_dir)
+    student = load_model(tiny_model_dir)
+    student.load_state_dict(moved)
+    with torch.no_grad():
+        reference_BT = token_logprobs(start, batch)
+    loss, metrics = combined_loss(replace(batch.with_totals(), reference_logprobs_BT=reference_BT)
+                                  .with_student(token_logprobs(student, batch)), terms)
+    assert second["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-6)
+    assert second["reference_kl/kl"] == pytest.approx(metrics["reference_kl/kl"], rel=1e-4)
+    assert second["reference_kl/kl"] > 1e-4  # the student moved away from its start
+    start_weights = start.state_dict()
+    assert all(torch.equal(v, start_weights[k]) for k, v in trainer.reference.state_dict().items())

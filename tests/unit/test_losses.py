@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -105,3 +107,48 @@ def test_registry_and_dotted_paths_and_weighted_sum():
     total, metrics = combined_loss(batch, [("test_constant", 2.0, {"value": 3.0}), ("test_constant", 0.5, {"value": 1.0})])
     assert total.item() == pytest.approx(6.5)
     assert metrics["loss/test_constant"] == 1.0  # last term's value under its name
+
+
+@pytest.mark.parametrize("estimator", ["k3", "k2"])
+def test_reference_kl_expected_gradient_is_the_documented_divergence(estimator):
+    """Enumerated over the vocabulary, E_{x~pi}[grad] of ``reference_kl`` is grad KL(pi_ref || pi)
+    for k3 and grad KL(pi || pi_ref) for k2; its ``kl`` metric, weighted by pi, is KL(pi || pi_ref)."""
+    from opd.losses import needs_reference, reference_kl
+
+    gen = torch.Generator().manual_seed(1)
+    logits_V = torch.randn(V, generator=gen, requires_grad=True)
+    ref_V = torch.log_softmax(torch.randn(V, generator=gen), -1)
+    logp_V = torch.log_softmax(logits_V, -1)
+    p_V = logp_V.exp()
+    exact = (ref_V.exp() * (ref_V - logp_V)).sum() if estimator == "k3" else (p_V * (logp_V - ref_V)).sum()
+    (grad_exact,) = torch.autograd.grad(exact, logits_V)
+
+    logp_V = torch.log_softmax(logits_V, -1)
+    weights_V = logp_V.exp().detach()
+    per_row, kl_estimate = [], 0.0
+    for x in range(V):
+        row = replace(_batch(logp_V[x : x + 1, None], torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1)),
+                      reference_logprobs_BT=ref_V[x : x + 1, None])
+        loss, metrics = reference_kl(row, {"estimator": estimator})
+        per_row.append(weights_V[x] * loss)
+        kl_estimate += float(weights_V[x]) * metrics["kl"]
+    (grad_rows,) = torch.autograd.grad(torch.stack(per_row).sum(), logits_V)
+    torch.testing.assert_close(grad_rows, grad_exact, atol=1e-6, rtol=1e-5)
+    assert kl_estimate == pytest.approx(float((weights_V * (logp_V.detach() - ref_V)).sum()), rel=1e-5)
+    assert needs_reference([("reverse_kl", 1.0, {}), ("reference_kl", 0.1, {})])
+    assert not needs_reference([("reverse_kl", 1.0, {})])
+
+
+def test_reference_kl_is_zero_at_the_reference_and_refuses_a_batch_without_it():
+    from opd.losses import reference_kl
+
+    student = torch.log(torch.tensor([[0.3, 0.6, 0.1]])).requires_grad_()
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    batch = _batch(student, student.detach(), student.detach(), mask)
+    loss, metrics = reference_kl(replace(batch, reference_logprobs_BT=student.detach()), {})
+    (grad,) = torch.autograd.grad(loss, student)
+    assert loss.item() == 0.0 and metrics["kl"] == 0.0 and torch.equal(grad, torch.zeros_like(grad))
+    with pytest.raises(ValueError, match="reference_logprobs_BT"):
+        reference_kl(batch, {})
+    with pytest.raises(ValueError, match="estimator='k1'"):
+        reference_kl(replace(batch, reference_logprobs_BT=student.detach()), {"estimator": "k1"})
