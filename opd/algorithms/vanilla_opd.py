@@ -94,6 +94,7 @@ def train_step(ctx: Any, step: int) -> dict[str, float]:
     end = time.perf_counter()
     metrics = {k: v for k, v in train_metrics.items() if not k.startswith("time/")}
     metrics.update(episode_metrics(trajs, gen))
+    metrics.update(lockstep_decode_metrics(trajs))
     metrics.update({
         "teacher_payload_mb": sum(s.nbytes() for s in scores) / 2**20,
         "time/generation_s": t_gen - start,
@@ -106,6 +107,19 @@ def train_step(ctx: Any, step: int) -> dict[str, float]:
     if reverse_kl:
         metrics["reverse_kl_per_token"] = reverse_kl[0]
     return metrics
+
+
+def lockstep_decode_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    """The decode steps of a lockstep rollout (one ``generate`` call per turn for every live
+    episode, :func:`opd.rollout.vanilla.run_episodes`) and their mean width: turn ``t`` runs as
+    many steps as its longest response, each over the rows still generating. ActFirst's stream
+    logs the same (``actfirst/stream_steps``), so the bench can compare the cost of a step."""
+    steps = rows = 0
+    for t in range(max((len(traj.turns) for traj in trajs), default=0)):
+        lengths = [len(traj.turns[t].response_ids) for traj in trajs if len(traj.turns) > t]
+        steps += max(lengths)
+        rows += sum(lengths)
+    return {"rollout/decode_steps": float(steps), "rollout/decode_rows_mean": rows / max(steps, 1)}
 
 
 def episode_metrics(trajs: list[Trajectory], gen: dict[str, float]) -> dict[str, float]:

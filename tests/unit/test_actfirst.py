@@ -353,3 +353,17 @@ def test_default_bootstrap_options_keep_existing_cache_keys():
     tiny.teacher.bootstrap.history = "full"
     tiny.teacher.bootstrap.think = "plan"
     assert bootstrap_key(tiny.teacher.bootstrap, tiny.env, 0) != "18183234cb4721d7"
+
+
+def test_lockstep_decode_metrics_count_each_turns_longest_response_over_its_live_rows():
+    """Vanilla's decode steps, which the bench sets against ActFirst's stream steps: turn 0 runs
+    4 steps (responses of 3 and 4 tokens), turn 1 runs 5 over the one episode still going."""
+    from opd.algorithms.vanilla_opd import lockstep_decode_metrics
+    from opd.trajectory import Trajectory, Turn
+
+    def turn(n: int) -> Turn:
+        return Turn(prompt_ids=[1], response_ids=list(range(n)), response_logprobs=[0.0] * n)
+
+    metrics = lockstep_decode_metrics([Trajectory("a", [turn(3), turn(5)]), Trajectory("b", [turn(4)])])
+    assert metrics == {"rollout/decode_steps": 9.0, "rollout/decode_rows_mean": 12 / 9}
+    assert lockstep_decode_metrics([]) == {"rollout/decode_steps": 0.0, "rollout/decode_rows_mean": 0.0}
