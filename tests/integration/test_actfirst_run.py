@@ -50,6 +50,8 @@ def test_actfirst_two_steps_and_the_ablation(tmp_path, ray_session):
         assert r["train_tokens"] == r["actfirst/full_tokens"]  # the loss covers the full responses only
     assert steps[0]["time/references_s"] > steps[1]["time/references_s"]  # built in step 1, read in step 2
     assert steps[1]["loss"] != steps[0]["loss"]
+    # The anchor: step 1 trains the starting weights themselves, step 2 a student that has moved.
+    assert steps[0]["reference_kl/kl"] == pytest.approx(0.0, abs=1e-6) and steps[1]["reference_kl/kl"] > 1e-6
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert {"eval/teacher_success", "eval/student_success"} <= set(records[0])  # evaluation: the driver's own
     stored = list((tmp_path / "cache" / "references").glob("*/opd_references.json"))
