@@ -128,6 +128,8 @@ class ActFirstConfig:
     keep_failed_references: bool = False  # keep references that did not succeed
     action_max_new_tokens: int = 8  # token budget of a fast (action-only) turn
     transition_check: str = "exact"  # exact (normalised text) | env (the environment's own comparator)
+    decode_during_env_steps: bool = True  # the stream decodes the full responses while the environments
+    # step (env.isolation: subprocess); false: it waits, and a rollout is bitwise reproducible for a seed
 
 
 @dataclass

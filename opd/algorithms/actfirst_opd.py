@@ -98,7 +98,8 @@ def actfirst_settings(ctx: Any) -> ActFirstSettings:
     cfg = ctx.cfg
     return ActFirstSettings(episode=ctx.train_settings, inverse_dynamics=bool(cfg.actfirst.inverse_dynamics),
                             action_max_new_tokens=int(cfg.actfirst.action_max_new_tokens),
-                            check=TransitionCheck(cfg.actfirst.transition_check, cfg.env.id, cfg.env.module))
+                            check=TransitionCheck(cfg.actfirst.transition_check, cfg.env.id, cfg.env.module),
+                            decode_during_env_steps=bool(cfg.actfirst.decode_during_env_steps))
 
 
 def train_step(ctx: Any, step: int) -> dict[str, float]:

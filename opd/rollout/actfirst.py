@@ -166,12 +166,19 @@ class ActFirstSettings:
         inverse_dynamics: ``False`` is the "w/o ID" ablation: no reference prompts at all.
         action_max_new_tokens: budget of a fast action-only turn.
         check: the transition check.
+        decode_during_env_steps: while the environments (in their own processes) compute a
+            turn's steps, the stream keeps decoding the full responses in flight. How many steps
+            fit depends on timing, so which requests share a later step varies from run to run:
+            the samples stay the same with vLLM's per-request seeds up to floating-point
+            differences between batch shapes, and differ with the HF stream's one generator.
+            ``False``: the stream waits, and a rollout is reproducible for a seed.
     """
 
     episode: EpisodeSettings = field(default_factory=EpisodeSettings)
     inverse_dynamics: bool = True
     action_max_new_tokens: int = 8
     check: TransitionCheck = field(default_factory=TransitionCheck)
+    decode_during_env_steps: bool = True
 
 
 # ----- statistics ---------------------------------------------------------------------------
@@ -188,7 +195,8 @@ class ActFirstStats:
     the last environment step).
     ``fast_latencies_s``: one per fast turn (its requests added until the last finished);
     ``full_latencies_s``: one per full request (added until finished). ``stream_steps`` /
-    ``stream_row_steps``: decode steps the stream ran, and their live rows summed.
+    ``stream_row_steps``: decode steps the stream ran, and their live rows summed;
+    ``env_overlap_steps``: those of them run while the environments stepped.
     """
 
     modes: list[list[str]]
@@ -202,6 +210,7 @@ class ActFirstStats:
     full_latencies_s: list[float]
     stream_steps: int
     stream_row_steps: int
+    env_overlap_steps: int
     fast_tokens: int
     full_tokens: int
     critical_path_s: float  # from the first reset to the last environment step
@@ -245,6 +254,7 @@ class ActFirstStats:
         out["actfirst/s_ideal"] = s_ideal(T, l_fast, l_full)
         out["actfirst/stream_steps"] = float(self.stream_steps)
         out["actfirst/stream_rows_mean"] = self.stream_row_steps / max(self.stream_steps, 1)
+        out["actfirst/env_overlap_steps"] = float(self.env_overlap_steps)
         out["time/critical_path_s"] = self.critical_path_s
         out["time/full_drain_s"] = self.drain_s
         out["actfirst/fast_tokens"] = float(self.fast_tokens)
@@ -331,6 +341,19 @@ def run_actfirst_episodes(
                 fast.append((key, completion))
         return fast
 
+    overlap_steps = 0
+
+    def decode_while_envs_step() -> bool:
+        """One stream step while the environments compute; ``False`` once nothing is in flight.
+        Every fast request has finished by then, so only full responses advance."""
+        nonlocal overlap_steps
+        if not stream:
+            return False
+        fast = step()
+        assert not fast, "a fast request was in flight during the environment steps"
+        overlap_steps += 1
+        return True
+
     def add_full(i: int, t: int, context: list[int]) -> None:
         full_queued_at[(i, t)] = time.perf_counter()
         add(("full", i, t), context, ep.max_new_tokens)
@@ -385,7 +408,8 @@ def run_actfirst_episodes(
             episodes[i].traj.turns.append(turn)
             modes[i].append(mode)
             turns.append(turn)
-        results = envs.step_many([(i, turn.action_text) for (i, _), turn in zip(pending, turns)])
+        results = envs.step_many([(i, turn.action_text) for (i, _), turn in zip(pending, turns)],
+                                 while_waiting=decode_while_envs_step if settings.decode_during_env_steps else None)
         still = []
         for (i, _), mode, turn, result in zip(pending, turn_modes, turns, results):
             e, t = episodes[i], len(episodes[i].traj.turns) - 1
@@ -439,7 +463,7 @@ def run_actfirst_episodes(
         full_queued_at=[[full_queued_at[(i, t)] for t in range(len(e.traj.turns))] for i, e in enumerate(episodes)],
         full_finished_at=[[full_finished_at[(i, t)] for t in range(len(e.traj.turns))] for i, e in enumerate(episodes)],
         fast_latencies_s=fast_latencies, full_latencies_s=full_latencies,
-        stream_steps=stream.steps, stream_row_steps=stream.row_steps,
+        stream_steps=stream.steps, stream_row_steps=stream.row_steps, env_overlap_steps=overlap_steps,
         fast_tokens=fast_tokens, full_tokens=full_tokens, critical_path_s=critical - start, critical_path_end=critical, drain_s=end - critical,
         generation_s=end - start,
     )

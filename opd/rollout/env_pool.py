@@ -125,8 +125,13 @@ class EnvWorkerPool:
             self._slots[i] = _Slot(self._ctx, self.factory)
         return self._slots[i]
 
-    def _call_many(self, calls: list[tuple[int, tuple]]) -> list[Any]:
-        """Send every call, then gather the answers against one deadline."""
+    def _call_many(self, calls: list[tuple[int, tuple]], while_waiting: Callable[[], bool] | None = None) -> list[Any]:
+        """Send every call, then gather the answers against one deadline.
+
+        ``while_waiting`` is the caller's own work, run in this thread while no answer is in:
+        one short unit per call, returning ``False`` when there is none left (then this waits
+        for the answers without calling it again). The deadline holds either way.
+        """
         results: dict[int, Any] = {}
         waiting: dict[Connection, int] = {}
         for i, message in calls:
@@ -137,8 +142,14 @@ class EnvWorkerPool:
             except (BrokenPipeError, OSError):
                 results[i] = self._fail(i, "crash", "its process had died before the call")
         deadline = time.monotonic() + self.timeout_s
+        busy = while_waiting is not None  # until the caller's work runs out
         while waiting:
-            ready = wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
+            ready = wait(list(waiting), timeout=0)
+            if not ready and busy and time.monotonic() < deadline:
+                busy = while_waiting()
+                continue
+            if not ready:
+                ready = wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 for conn, i in waiting.items():
                     results[i] = self._fail(i, "timeout", f"no answer within {self.timeout_s:g} s (env.timeout_s); "
@@ -164,9 +175,10 @@ class EnvWorkerPool:
         """``[(slot, task, seed)] -> [(obs, info) | EnvFailure]``."""
         return self._call_many([(i, ("reset", task, seed)) for i, task, seed in resets])
 
-    def step_many(self, steps: list[tuple[int, str]]) -> list[Any]:
-        """``[(slot, action)] -> [(obs, reward, terminated, truncated, info) | EnvFailure]``."""
-        return self._call_many([(i, ("step", action)) for i, action in steps])
+    def step_many(self, steps: list[tuple[int, str]], while_waiting: Callable[[], bool] | None = None) -> list[Any]:
+        """``[(slot, action)] -> [(obs, reward, terminated, truncated, info) | EnvFailure]``;
+        ``while_waiting`` runs while the children step (see :meth:`_call_many`)."""
+        return self._call_many([(i, ("step", action)) for i, action in steps], while_waiting)
 
     def close(self) -> None:
         for slot in self._slots.values():
@@ -208,7 +220,8 @@ class InProcessEnvs:
     def reset_many(self, resets: list[tuple[int, str, int]]) -> list[Any]:
         return [self._run(i, lambda env: env.reset(seed=seed, options={"task": task})) for i, task, seed in resets]
 
-    def step_many(self, steps: list[tuple[int, str]]) -> list[Any]:
+    def step_many(self, steps: list[tuple[int, str]], while_waiting: Callable[[], bool] | None = None) -> list[Any]:
+        """The steps one after another in this thread: ``while_waiting`` never runs."""
         return [self._run(i, lambda env: env.step(action)) for i, action in steps]
 
     def close(self) -> None:

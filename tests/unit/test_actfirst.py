@@ -171,6 +171,28 @@ def test_full_requests_are_queued_while_the_episode_lives_in_its_state_grounded_
     assert stats.metrics()["actfirst/late_full_requests"] == 0.0
 
 
+def test_full_responses_decode_while_the_environments_step(engine, tokenizer, fmt):
+    """With the environments in child processes, the stream advances the full responses while
+    a turn's steps compute (the issue's overlap with later environment steps); switched off, it
+    waits. Both play every turn with a full response; only the overlap differs."""
+    import tests.data.faulty_env  # noqa: F401  (registers opdtest/FaultyFrozenLake-v0)
+    from opd.rollout.env_pool import EnvWorkerPool
+
+    factory = EnvFactory("opdtest/FaultyFrozenLake-v0", {**KWARGS, "fault": "slow", "step_delay_s": 0.2},
+                         "tests.data.faulty_env")
+    tasks = _tasks(3)
+    results = {}
+    with EnvWorkerPool(factory, timeout_s=30.0, preload=("environments", "tests.data.faulty_env")) as pool:
+        for overlap in (True, False):
+            results[overlap] = run_actfirst_episodes(engine, factory, tasks, {}, tokenizer, fmt,
+                                                     _settings(decode_during_env_steps=overlap), seed=4, envs=pool)
+    for overlap, (trajs, stats) in results.items():
+        assert all(len(t.response_ids) > 0 for traj in trajs for t in traj.turns)
+        assert stats.metrics()["actfirst/full_requests"] == sum(len(traj.turns) for traj in trajs)
+        assert stats.env_overlap_steps <= stats.stream_steps
+    assert results[True][1].env_overlap_steps > 0 and results[False][1].env_overlap_steps == 0
+
+
 def test_without_inverse_dynamics_no_prompt_shows_a_reference(engine, tokenizer, fmt):
     tasks = _tasks(3)
     env = FrozenLakeTextEnv(**KWARGS)
@@ -190,7 +212,7 @@ def test_s_ideal_and_latency_metrics():
     stats = ActFirstStats(modes=[["reference", "reference", "autonomous"], ["reference"]], matches=[[True, False, None], [True]],
                           first_deviation=[1, None], has_reference=[True, True], ended_at=[5.0, 5.0],
                           full_queued_at=[[1.0, 2.0, 3.0], [1.0]], full_finished_at=[[3.0, 4.0, 5.0], [3.0]],
-                          fast_latencies_s=[0.1, 0.3], full_latencies_s=[2.0], stream_steps=10, stream_row_steps=45,
+                          fast_latencies_s=[0.1, 0.3], full_latencies_s=[2.0], stream_steps=10, stream_row_steps=45, env_overlap_steps=3,
                           fast_tokens=8, full_tokens=40, critical_path_s=1.0, critical_path_end=4.0, drain_s=0.5,
                           generation_s=1.5)
     m = stats.metrics()
@@ -199,7 +221,7 @@ def test_s_ideal_and_latency_metrics():
     assert m["actfirst/first_deviation_turn"] == 1.0 and m["actfirst/deviated_share"] == 0.5
     assert m["latency/fast_s"] == pytest.approx(0.2) and m["latency/full_s"] == 2.0 and m["actfirst/turns"] == 2.0
     assert m["actfirst/s_ideal"] == pytest.approx(2 * 2.0 / (0.2 + 2.0))
-    assert m["actfirst/stream_rows_mean"] == 4.5
+    assert m["actfirst/stream_rows_mean"] == 4.5 and m["actfirst/env_overlap_steps"] == 3.0
 
 
 def test_one_packed_row_per_episode_trains_each_full_response_as_its_own_row_would(engine, tokenizer, fmt,

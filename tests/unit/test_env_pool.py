@@ -84,3 +84,41 @@ def test_children_do_not_import_the_parents_main_module(tmp_path):
     )
     subprocess.run([sys.executable, str(script)], check=True, timeout=120)
     assert len(marks.read_text().split()) == 1, "a child process re-ran the parent's main module"
+
+
+def _slow_pool(delay_s: float, timeout_s: float = 10.0) -> EnvWorkerPool:
+    factory = EnvFactory("opdtest/FaultyFrozenLake-v0", {**KWARGS, "fault": "slow", "step_delay_s": delay_s},
+                         "tests.data.faulty_env")
+    return EnvWorkerPool(factory, timeout_s=timeout_s, preload=("environments", "tests.data.faulty_env"))
+
+
+def test_the_caller_works_while_the_children_step_and_gets_the_same_answers():
+    """``while_waiting`` runs in the caller's thread while the children compute, until it says
+    it has no work left; the answers are those of a plain ``step_many``."""
+    calls = []
+
+    def work() -> bool:
+        calls.append(time.monotonic())
+        time.sleep(0.01)
+        return len(calls) < 5  # five units of work, then none
+
+    with _slow_pool(0.3) as pool:
+        pool.reset_many([(0, "fl4-train-00000", 0), (1, "fl4-train-00002", 0)])
+        start = time.monotonic()
+        overlapped = pool.step_many([(0, "right"), (1, "down")], while_waiting=work)
+        assert time.monotonic() - start >= 0.3  # it still waited for the slow steps
+        assert len(calls) == 5 and calls[-1] - start < 0.3  # all the work ran inside the wait
+        pool.reset_many([(0, "fl4-train-00000", 0), (1, "fl4-train-00002", 0)])
+        plain = pool.step_many([(0, "right"), (1, "down")])
+    assert [r[:4] for r in overlapped] == [r[:4] for r in plain]
+
+
+def test_work_that_never_ends_does_not_outlast_the_deadline():
+    """A hung child times out on schedule even while the caller always has work."""
+    with EnvWorkerPool(_factory("hang"), timeout_s=1.0, preload=("environments", "tests.data.faulty_env")) as pool:
+        pool.reset_many([(0, "fl4-train-00001", 0)])
+        pool.step_many([(0, "right")])  # turn 1 is fine; the step of turn 2 hangs
+        start = time.monotonic()
+        (result,) = pool.step_many([(0, "right")], while_waiting=lambda: time.sleep(0.01) is None)
+        assert isinstance(result, EnvFailure) and result.kind == "timeout"
+        assert time.monotonic() - start < 1.0 + 2.0
