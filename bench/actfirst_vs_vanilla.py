@@ -63,7 +63,7 @@ def run(recipe: str, algorithm: str, out: Path, steps: int, overrides: list[str]
             "turns_per_episode", "success", "actfirst/s_ideal", "latency/fast_s", "latency/full_s",
             "actfirst/alignment_rate", "actfirst/first_deviation_turn", "time/critical_path_s", "time/full_drain_s",
             "train_rows", "train_tokens", "train_row_tokens", "actfirst/stream_rows_mean", "actfirst/stream_steps",
-            "rollout/decode_steps", "rollout/decode_rows_mean")
+            "rollout/decode_steps", "rollout/decode_rows_mean", "actfirst/env_overlap_steps")
     return {"algorithm": algorithm, "summary": summary, "per_step": {k: _mean(rows, k) for k in keys},
             "steps": len(rows), "train_time_s": sum(r["time/step_s"] for r in rows)}
 
@@ -183,7 +183,8 @@ def markdown(result: dict) -> str:
         "per full request, added to finished)",
         f"- ActFirst rollout: critical path {as_['time/critical_path_s']:.2f} s + full-response drain "
         f"{as_['time/full_drain_s']:.2f} s per step; {as_['actfirst/stream_steps']:.0f} decode steps of "
-        f"{as_['actfirst/stream_rows_mean']:.0f} rows on average; alignment rate {as_['actfirst/alignment_rate']:.2f}, "
+        f"{as_['actfirst/stream_rows_mean']:.0f} rows on average ({as_['actfirst/env_overlap_steps']:.0f} of them while the "
+        f"environments stepped); alignment rate {as_['actfirst/alignment_rate']:.2f}, "
         f"first deviation at turn {as_['actfirst/first_deviation_turn']:.1f} on average",
         f"- generation time per decode step: vanilla {result['decode_step_ms']['vanilla']:.1f} ms "
         f"({vs['rollout/decode_steps']:.0f} steps a training step, {result['decode_rows_mean']['vanilla']:.1f} rows wide), "
