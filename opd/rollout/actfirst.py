@@ -167,7 +167,8 @@ class ActFirstSettings:
         action_max_new_tokens: budget of a fast action-only turn.
         check: the transition check.
         decode_during_env_steps: while the environments (in their own processes) compute a
-            turn's steps, the stream keeps decoding the full responses in flight. How many steps
+            turn's steps, the stream keeps decoding the full responses in flight, once they have
+            taken longer than the last stream step (faster ones are not held up). How many steps
             fit depends on timing, so which requests share a later step varies from run to run:
             the samples stay the same with vLLM's per-request seeds up to floating-point
             differences between batch shapes, and differ with the HF stream's one generator.
@@ -329,10 +330,16 @@ def run_actfirst_episodes(
     full_finished_at: dict[tuple[int, int], float] = {}
     full_latencies: list[float] = []
 
+    step_s = 0.0  # the last stream step's duration
+
     def step() -> list[tuple[Any, Completion]]:
         """One stream step; full responses are filed, fast ones returned."""
+        nonlocal step_s
         fast = []
-        for key, completion in stream.step():
+        began = time.perf_counter()
+        finished = stream.step()
+        step_s = time.perf_counter() - began
+        for key, completion in finished:
             if key[0] == "full":
                 full_results[key[1:]] = completion
                 full_finished_at[key[1:]] = time.perf_counter()
@@ -408,8 +415,11 @@ def run_actfirst_episodes(
             episodes[i].traj.turns.append(turn)
             modes[i].append(mode)
             turns.append(turn)
+        # Environments that answer within one stream step are not held up by one: the stream
+        # decodes only in the waits of slower ones.
         results = envs.step_many([(i, turn.action_text) for (i, _), turn in zip(pending, turns)],
-                                 while_waiting=decode_while_envs_step if settings.decode_during_env_steps else None)
+                                 while_waiting=decode_while_envs_step if settings.decode_during_env_steps else None,
+                                 grace_s=step_s)
         still = []
         for (i, _), mode, turn, result in zip(pending, turn_modes, turns, results):
             e, t = episodes[i], len(episodes[i].traj.turns) - 1

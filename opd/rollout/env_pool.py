@@ -125,12 +125,15 @@ class EnvWorkerPool:
             self._slots[i] = _Slot(self._ctx, self.factory)
         return self._slots[i]
 
-    def _call_many(self, calls: list[tuple[int, tuple]], while_waiting: Callable[[], bool] | None = None) -> list[Any]:
+    def _call_many(self, calls: list[tuple[int, tuple]], while_waiting: Callable[[], bool] | None = None,
+                   grace_s: float = 0.0) -> list[Any]:
         """Send every call, then gather the answers against one deadline.
 
         ``while_waiting`` is the caller's own work, run in this thread while no answer is in:
         one short unit per call, returning ``False`` when there is none left (then this waits
-        for the answers without calling it again). The deadline holds either way.
+        for the answers without calling it again). It first runs after ``grace_s`` without an
+        answer: answers that come sooner are not held up by a unit of work. The deadline holds
+        either way.
         """
         results: dict[int, Any] = {}
         waiting: dict[Connection, int] = {}
@@ -143,8 +146,10 @@ class EnvWorkerPool:
                 results[i] = self._fail(i, "crash", "its process had died before the call")
         deadline = time.monotonic() + self.timeout_s
         busy = while_waiting is not None  # until the caller's work runs out
+        grace = grace_s if busy else 0.0
         while waiting:
-            ready = wait(list(waiting), timeout=0)
+            ready = wait(list(waiting), timeout=max(0.0, min(grace, deadline - time.monotonic())))
+            grace = 0.0
             if not ready and busy and time.monotonic() < deadline:
                 busy = while_waiting()
                 continue
@@ -175,10 +180,11 @@ class EnvWorkerPool:
         """``[(slot, task, seed)] -> [(obs, info) | EnvFailure]``."""
         return self._call_many([(i, ("reset", task, seed)) for i, task, seed in resets])
 
-    def step_many(self, steps: list[tuple[int, str]], while_waiting: Callable[[], bool] | None = None) -> list[Any]:
+    def step_many(self, steps: list[tuple[int, str]], while_waiting: Callable[[], bool] | None = None,
+                  grace_s: float = 0.0) -> list[Any]:
         """``[(slot, action)] -> [(obs, reward, terminated, truncated, info) | EnvFailure]``;
         ``while_waiting`` runs while the children step (see :meth:`_call_many`)."""
-        return self._call_many([(i, ("step", action)) for i, action in steps], while_waiting)
+        return self._call_many([(i, ("step", action)) for i, action in steps], while_waiting, grace_s)
 
     def close(self) -> None:
         for slot in self._slots.values():
@@ -220,7 +226,8 @@ class InProcessEnvs:
     def reset_many(self, resets: list[tuple[int, str, int]]) -> list[Any]:
         return [self._run(i, lambda env: env.reset(seed=seed, options={"task": task})) for i, task, seed in resets]
 
-    def step_many(self, steps: list[tuple[int, str]], while_waiting: Callable[[], bool] | None = None) -> list[Any]:
+    def step_many(self, steps: list[tuple[int, str]], while_waiting: Callable[[], bool] | None = None,
+                  grace_s: float = 0.0) -> list[Any]:
         """The steps one after another in this thread: ``while_waiting`` never runs."""
         return [self._run(i, lambda env: env.step(action)) for i, action in steps]
 

@@ -122,3 +122,22 @@ def test_work_that_never_ends_does_not_outlast_the_deadline():
         (result,) = pool.step_many([(0, "right")], while_waiting=lambda: time.sleep(0.01) is None)
         assert isinstance(result, EnvFailure) and result.kind == "timeout"
         assert time.monotonic() - start < 1.0 + 2.0
+
+
+def test_answers_within_the_grace_are_not_held_up_by_work():
+    """Children that answer within ``grace_s`` never see the caller's work run; slower ones do."""
+    calls = []
+
+    def work() -> bool:
+        calls.append(1)
+        time.sleep(0.01)
+        return True
+
+    with _slow_pool(0.0) as fast_pool:
+        fast_pool.reset_many([(0, "fl4-train-00000", 0)])
+        (result,) = fast_pool.step_many([(0, "right")], while_waiting=work, grace_s=2.0)
+    assert not isinstance(result, EnvFailure) and calls == []
+    with _slow_pool(0.5) as slow_pool:
+        slow_pool.reset_many([(0, "fl4-train-00000", 0)])
+        (result,) = slow_pool.step_many([(0, "right")], while_waiting=work, grace_s=0.1)
+    assert not isinstance(result, EnvFailure) and 5 <= len(calls) <= 45  # about (0.5 - 0.1) / 0.01 units
