@@ -11,7 +11,7 @@ in cache, and a step's time grows with the KV cache it reads: rows x context.
 
 The recipe's student (bootstrapped and cached like a training run's) is loaded in vLLM; for each
 dtype, context length and width, ``width`` requests of random prompt ids decode together in one
-:class:`~opd.generation.vllm_engine.VLLMStream` and the mean time of a decode step is printed,
+:class:`~opd.generation.vllm_engine.VLLMStream` and the median time of a decode step is printed,
 with its cost per row relative to the narrowest width (1.00: a row costs as much alone as in a
 batch; 1/width: rows ride along free, the premise of S_ideal).
 """
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def step_ms(engine, width: int, context: int, steps: int, seed: int) -> float:
-    """Mean wall time of one decode step over ``width`` live requests of ``context`` prompt ids."""
+    """Median wall time (ms) of one decode step over ``width`` live requests of ``context`` prompt ids."""
     from opd.generation.base import SamplingParams
     from opd.generation.vllm_engine import VLLMStream
 

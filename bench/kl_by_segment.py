@@ -63,8 +63,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 segment = "action + end" if "</think>" in text else ("plan" if "Plan:" in text else "state")
                 total[segment] += mu - pt
                 count[segment] += 1
-                gaps.append((mu - pt, segment, text[-40:], tokenizer.decode([token]), mu, pt))
-                text += tokenizer.decode([token], skip_special_tokens=False)
+                piece = tokenizer.decode([token], skip_special_tokens=False)
+                gaps.append((mu - pt, segment, text[-40:], piece, mu, pt))
+                text += piece
     grand = sum(total.values())
     print(f"{len(trajs)} episodes, history {args.history}, success {sum(t.success for t in trajs) / len(trajs):.0%}")
     result = {}

@@ -338,11 +338,12 @@ def run_actfirst_episodes(
         fast = []
         began = time.perf_counter()
         finished = stream.step()
-        step_s = time.perf_counter() - began
+        ended = time.perf_counter()
+        step_s = ended - began
         for key, completion in finished:
             if key[0] == "full":
                 full_results[key[1:]] = completion
-                full_finished_at[key[1:]] = time.perf_counter()
+                full_finished_at[key[1:]] = ended
                 full_latencies.append(full_finished_at[key[1:]] - full_queued_at[key[1:]])
             else:
                 fast.append((key, completion))
