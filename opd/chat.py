@@ -106,6 +106,41 @@ def next_prompt_ids(fmt: ChatFormat, tokenizer, observation: str) -> list[int]:
     return fmt.message_ids("user", tokenizer.encode(observation, add_special_tokens=False)) + fmt.assistant_header_ids()
 
 
+def standard_prompt_ids(fmt: ChatFormat, tokenizer, observation: str, system_prompt: str = "", first: bool = False) -> list[int]:
+    """A turn's standard (think-then-act) prompt: :func:`first_prompt_ids` for the first turn,
+    :func:`next_prompt_ids` for a later one."""
+    return first_prompt_ids(fmt, tokenizer, observation, system_prompt) if first else next_prompt_ids(fmt, tokenizer, observation)
+
+
+ACTION_ONLY_INSTRUCTION = "Answer with the action only."
+REFERENCE_HEADER = "Reference next observation:"
+
+
+def action_only_prompt_ids(fmt: ChatFormat, tokenizer, observation: str, reference_next: str | None) -> list[int]:
+    """ActFirst's fast turn: its last user message and the assistant header, as ids.
+
+    The message is the observation, then (inverse dynamics) a line ``Reference next
+    observation:`` with o_ref(t+1), then ``Answer with the action only.``::
+
+        <|im_start|>user
+        {observation}
+        Reference next observation:
+        {reference_next}
+        Answer with the action only.<|im_end|>
+        <|im_start|>assistant
+
+    Without a reference (autonomous prediction) the middle two lines are absent. The
+    observation is encoded on its own, exactly as in the standard prompt, so the fast prompt
+    shares the standard one's observation ids.
+
+    Example:
+        >>> ids = action_only_prompt_ids(fmt, tokenizer, "A F\\nH G", None)  # doctest: +SKIP
+    """
+    suffix = "\n" + (f"{REFERENCE_HEADER}\n{reference_next}\n" if reference_next is not None else "") + ACTION_ONLY_INSTRUCTION
+    content = tokenizer.encode(observation, add_special_tokens=False) + tokenizer.encode(suffix, add_special_tokens=False)
+    return fmt.message_ids("user", content) + fmt.assistant_header_ids()
+
+
 def _past_turn_ids(fmt: ChatFormat, traj: Trajectory, k: int, view: str) -> list[int]:
     turn = traj.turns[k]
     shown, closing = fmt.shown_and_close_ids(turn, view)

@@ -330,3 +330,8 @@ def length_groups(lengths: list[int], max_rows: int, max_tokens: int = 0) -> lis
         else:
             group.append(i)
     return groups
+
+
+def success_rate(trajs: list[Trajectory]) -> float:
+    """The share of ``trajs`` that succeeded (0 for none)."""
+    return sum(t.success for t in trajs) / max(len(trajs), 1)

@@ -33,7 +33,7 @@ import torch
 from opd.chat import student_sequence
 from opd.generation.base import TokenScores
 from opd.losses import group_advantages
-from opd.rollout.vanilla import success_rate
+from opd.trajectory import success_rate
 from opd.runtime.actors import sync_weights
 from opd.trajectory import TokenBatch, Trajectory
 

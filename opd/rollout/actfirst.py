@@ -17,7 +17,7 @@ request, and the *full* think-then-act response is generated apart:
    response is not executed. After the last environment step the stream drains.
 3. **Fast action.** While the episode is *aligned* with its reference trajectory, the student
    gets the inverse-dynamics prompt: ``c_t`` with the last observation message extended by the
-   reference next observation o_ref(t+1) (see :func:`action_only_prompt_ids`), and answers
+   reference next observation o_ref(t+1) (see :func:`opd.chat.action_only_prompt_ids`), and answers
    with the action only (``actfirst.action_max_new_tokens``). The environment executes it.
 4. **Transition check.** The new observation is compared with o_ref(t+1): a normalised exact
    match by default, or the environment class's ``transition_matches(observation, reference)``
@@ -48,49 +48,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from opd.chat import ChatFormat
+from opd.chat import ChatFormat, action_only_prompt_ids, standard_prompt_ids
 from opd.generation.base import Completion, SamplingParams
 from opd.rollout.env_pool import EnvFailure, InProcessEnvs
-from opd.rollout.vanilla import EpisodeSettings, _fail, _safe_info
+from opd.rollout.vanilla import EpisodeSettings, kept_info, mark_env_error
 from opd.trajectory import Trajectory, Turn
 
-ACTION_ONLY_INSTRUCTION = "Answer with the action only."
-REFERENCE_HEADER = "Reference next observation:"
 MODES = ("reference", "autonomous")
-
-
-# ----- prompts ------------------------------------------------------------------------------
-def action_only_prompt_ids(fmt: ChatFormat, tokenizer, observation: str, reference_next: str | None) -> list[int]:
-    """The last user message of a fast turn, and the assistant header, as ids.
-
-    The message is the observation, then (inverse dynamics) a line ``Reference next
-    observation:`` with o_ref(t+1), then ``Answer with the action only.``::
-
-        <|im_start|>user
-        {observation}
-        Reference next observation:
-        {reference_next}
-        Answer with the action only.<|im_end|>
-        <|im_start|>assistant
-
-    Without a reference (autonomous prediction) the middle two lines are absent. The
-    observation is encoded on its own, exactly as in the standard prompt, so the fast prompt
-    shares the standard one's observation ids.
-
-    Example:
-        >>> ids = action_only_prompt_ids(fmt, tokenizer, "A F\\nH G", None)  # doctest: +SKIP
-    """
-    suffix = "\n" + (f"{REFERENCE_HEADER}\n{reference_next}\n" if reference_next is not None else "") + ACTION_ONLY_INSTRUCTION
-    content = tokenizer.encode(observation, add_special_tokens=False) + tokenizer.encode(suffix, add_special_tokens=False)
-    return fmt.message_ids("user", content) + fmt.assistant_header_ids()
-
-
-def standard_prompt_ids(fmt: ChatFormat, tokenizer, observation: str, system_prompt: str = "", first: bool = False) -> list[int]:
-    """A turn's standard prompt: ``[system] user(observation) assistant-header`` (as
-    :func:`opd.chat.first_prompt_ids` / :func:`opd.chat.next_prompt_ids`)."""
-    from opd.chat import first_prompt_ids, next_prompt_ids
-
-    return first_prompt_ids(fmt, tokenizer, observation, system_prompt) if first else next_prompt_ids(fmt, tokenizer, observation)
 
 
 # ----- transition check ---------------------------------------------------------------------
@@ -380,11 +344,11 @@ def run_actfirst_episodes(
     for i, result in enumerate(envs.reset_many([(i, task, seed) for i, task in enumerate(tasks)])):
         e = episodes[i]
         if isinstance(result, EnvFailure):
-            _fail(e.traj, result)
+            mark_env_error(e.traj, result)
             ended_at[i] = time.perf_counter()
             continue
         e.observation = result[0]
-        e.traj.initial_observation, e.traj.initial_info = result[0], _safe_info(result[1])
+        e.traj.initial_observation, e.traj.initial_info = result[0], kept_info(result[1])
         prompt = standard_prompt_ids(fmt, tokenizer, e.observation, ep.system_prompt, first=True)
         e.context = list(prompt)
         e.history = e.context[: len(e.context) - len(standard_prompt_ids(fmt, tokenizer, e.observation))]
@@ -425,7 +389,7 @@ def run_actfirst_episodes(
         for (i, _), mode, turn, result in zip(pending, turn_modes, turns, results):
             e, t = episodes[i], len(episodes[i].traj.turns) - 1
             if isinstance(result, EnvFailure):
-                _fail(e.traj, result)
+                mark_env_error(e.traj, result)
                 matches[i].append(None)
                 ended_at[i] = time.perf_counter()
                 continue
@@ -439,7 +403,7 @@ def run_actfirst_episodes(
             matches[i].append(match)
             turn.observation, turn.reward = obs, float(reward)
             turn.terminated, turn.truncated = bool(terminated), bool(truncated)
-            turn.info = {**_safe_info(info), "actfirst_mode": mode, "transition_match": match}
+            turn.info = {**kept_info(info), "actfirst_mode": mode, "transition_match": match}
             e.traj.success = bool(info.get("success", False))
             if terminated or truncated:
                 e.traj.end_reason = "success" if e.traj.success else ("failure" if terminated else "truncated")

@@ -40,7 +40,8 @@ class EpisodeSettings:
     history: str = "full"  # full: past turns keep their whole response | state_grounded: their action only
 
 
-def _safe_info(info: dict) -> dict:
+def kept_info(info: dict) -> dict:
+    """The JSON-safe subset of a step's info that a trajectory keeps (:data:`INFO_KEYS`)."""
     return {k: info[k] for k in INFO_KEYS if k in info}
 
 
@@ -78,9 +79,9 @@ def run_episodes(
     pending = []
     for i, result in enumerate(envs.reset_many([(i, task, seed) for i, task in enumerate(tasks)])):
         if isinstance(result, EnvFailure):  # a broken env ends its episode, not the run
-            _fail(trajs[i], result)
+            mark_env_error(trajs[i], result)
             continue
-        trajs[i].initial_observation, trajs[i].initial_info = result[0], _safe_info(result[1])
+        trajs[i].initial_observation, trajs[i].initial_info = result[0], kept_info(result[1])
         prompt = first_prompt_ids(fmt, tokenizer, result[0], settings.system_prompt)
         contexts[i] = list(prompt)
         pending.append((i, prompt))
@@ -106,11 +107,11 @@ def run_episodes(
         still = []
         for (i, _), turn, result in zip(pending, turns, results):
             if isinstance(result, EnvFailure):
-                _fail(trajs[i], result)
+                mark_env_error(trajs[i], result)
                 continue
             obs, reward, terminated, truncated, info = result
             turn.observation, turn.reward = obs, float(reward)
-            turn.terminated, turn.truncated, turn.info = bool(terminated), bool(truncated), _safe_info(info)
+            turn.terminated, turn.truncated, turn.info = bool(terminated), bool(truncated), kept_info(info)
             trajs[i].success = bool(info.get("success", False))
             if terminated or truncated:
                 trajs[i].end_reason = "success" if trajs[i].success else ("failure" if terminated else "truncated")
@@ -127,11 +128,9 @@ def run_episodes(
     return trajs
 
 
-def _fail(traj: Trajectory, failure: EnvFailure) -> None:
+def mark_env_error(traj: Trajectory, failure: EnvFailure) -> None:
+    """End ``traj`` as an environment failure (``end_reason="env_error"``), keeping why."""
     traj.end_reason = "env_error"
     traj.error = failure.message
     traj.success = False
 
-
-def success_rate(trajs: list[Trajectory]) -> float:
-    return sum(t.success for t in trajs) / max(len(trajs), 1)

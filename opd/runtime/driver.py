@@ -95,7 +95,7 @@ def evaluate(ctx: RunContext, who: str, step: int = 0) -> dict[str, float]:
     are kept as readable text in ``trajectories/{who}_step_N.jsonl``."""
     import ray
 
-    from opd.rollout.vanilla import success_rate
+    from opd.trajectory import success_rate
 
     worker = ctx.workers.rollout if who == "student" else ctx.workers.teacher
     tasks = ctx.eval_tasks

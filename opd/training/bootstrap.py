@@ -17,7 +17,7 @@ For ActFirst (``docs/actfirst.md``) three options shape the SFT rows:
   is many times longer than its action, as a reasoning model's is.
 - ``action_only_prob: p`` also trains a share ``p`` of the turns in ActFirst's layouts, each as
   its own row whose context holds the executed actions and observations only: the two
-  action-only prompts (:func:`opd.rollout.actfirst.action_only_prompt_ids`; with the reference
+  action-only prompts (:func:`opd.chat.action_only_prompt_ids`; with the reference
   next observation, the one the move led to, or without) and, with ``think``, the standard
   prompt answered with the full response (where ActFirst's full requests are made).
 - ``history: state_grounded`` trains every response after its state-grounded context (past
@@ -204,7 +204,7 @@ def _actfirst_rows(steps: list[tuple[str, str, bool]], tokenizer, fmt: ChatForma
 
     Action-only targets are the action and the end token.
     """
-    from opd.rollout.actfirst import action_only_prompt_ids
+    from opd.chat import action_only_prompt_ids
 
     formats = ("reference", "autonomous", "standard") if think else ("reference", "autonomous")
     rows = []

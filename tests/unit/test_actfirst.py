@@ -18,8 +18,9 @@ from opd.chat import render_context
 from opd.envs import EnvFactory
 from opd.generation.hf import HFEngine
 from opd.models import load_model
-from opd.rollout.actfirst import (ACTION_ONLY_INSTRUCTION, REFERENCE_HEADER, ActFirstSettings, ActFirstStats,
-                                  TransitionCheck, action_only_prompt_ids, exact_match, run_actfirst_episodes, s_ideal)
+from opd.chat import ACTION_ONLY_INSTRUCTION, REFERENCE_HEADER, action_only_prompt_ids
+from opd.rollout.actfirst import (ActFirstSettings, ActFirstStats, TransitionCheck, exact_match, run_actfirst_episodes,
+                                  s_ideal)
 from opd.rollout.references import Reference, expert_reference
 from opd.rollout.vanilla import EpisodeSettings
 
