@@ -12,7 +12,9 @@ Environments (``opd envs`` lists them with one line each; docs in ``docs/envs/``
 Registration is lazy (an entry-point string): an engine is imported only when its env is made.
 
 Add an environment by writing a ``gymnasium.Env`` that follows the contract in
-``opd.envs`` and registering it below under a versioned ``opd/`` id.
+``opd.envs`` (``environments.base.TextEnv`` holds what every one here shares: reset, the step
+guards, the turn budget and the common info keys) and registering it below under a versioned
+``opd/`` id.
 """
 
 from __future__ import annotations

@@ -40,7 +40,6 @@ import importlib
 import importlib.resources
 import inspect
 import json
-import string
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,6 +54,8 @@ from bfcl_eval.constants.default_prompts import (
 from bfcl_eval.constants.executable_backend_config import CLASS_FILE_PATH_MAPPING, MULTI_TURN_FUNC_DOC_FILE_MAPPING
 from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
 from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import multi_turn_checker
+
+from environments.base import TextEnv, check_split
 
 CATEGORIES: tuple[str, ...] = ("base", "miss_func", "miss_param", "long_context")
 SPLITS: tuple[str, ...] = ("train", "eval")
@@ -299,7 +300,7 @@ def unbounded_work(call: Call, entry: dict[str, Any]) -> str | None:
 
 
 # ----- environment -----
-class BFCLMultiTurnEnv(gymnasium.Env):
+class BFCLMultiTurnEnv(TextEnv):
     """BFCL multi-turn tool calling: fulfil a user's successive requests by calling functions (bfcl_eval's official backend and checker).
 
     Task ids are BFCL entry ids, e.g. ``"multi_turn_miss_param_17"``. An episode walks through the
@@ -316,8 +317,6 @@ class BFCLMultiTurnEnv(gymnasium.Env):
         max_calls_per_reply: A reply with more calls is invalid.
         render_mode: None or "ansi"; ``render()`` returns the current text either way.
     """
-
-    metadata = {"render_modes": ["ansi"]}
 
     def __init__(
         self,
@@ -345,34 +344,25 @@ class BFCLMultiTurnEnv(gymnasium.Env):
         if isinstance(invalid_action_penalty, bool) or not isinstance(invalid_action_penalty, (int, float)) \
                 or invalid_action_penalty < 0:
             raise ValueError(f"invalid_action_penalty={invalid_action_penalty!r} must be >= 0 (it is subtracted)")
-        if render_mode not in (None, "ansi"):
-            raise ValueError(f"render_mode={render_mode!r} is not supported; use None or 'ansi'")
+        super().__init__(max_turns=max_turns, render_mode=render_mode, max_observation_chars=1 << 20,
+                         max_action_chars=1 << 16)
         self.categories = categories
-        self.max_turns = max_turns
         self.eval_fraction = float(eval_fraction)
         self.split_seed = split_seed
         self.invalid_action_penalty = float(invalid_action_penalty)
         self.max_result_chars = max_result_chars
         self.max_calls_per_reply = max_calls_per_reply
-        self.render_mode = render_mode
-        # Nominal: the bundled data and replies may hold non-ASCII text too.
-        self.observation_space = gymnasium.spaces.Text(max_length=1 << 20, charset=string.printable)
-        self.action_space = gymnasium.spaces.Text(min_length=0, max_length=1 << 16, charset=string.printable)
         self._entry: dict[str, Any] = {}
         self._instances: dict[str, Any] = {}
         self._functions: set[str] = set()
         self._question = 0  # index of the user request being served
         self._turn_calls: list[str] = []  # calls run since that request
         self._decoded: list[list[list[str]]] = []  # per request, per reply: the calls run (checker input)
-        self._turn = 0
-        self._done = False
-        self._last_obs = ""
 
     # ----- tasks -----
     def task_ids(self, split: str) -> list[str]:
         """Entry ids of ``split`` ("train" or "eval"), same for same kwargs."""
-        if split not in SPLITS:
-            raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(map(repr, SPLITS))}")
+        check_split(split, SPLITS)
         return list(split_task_ids(self.categories, self.eval_fraction, self.split_seed, split))
 
     def task_entry(self, task_id: str) -> dict[str, Any]:
@@ -387,29 +377,18 @@ class BFCLMultiTurnEnv(gymnasium.Env):
         return entry
 
     # ----- episode -----
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-        """Starts ``options["task"]`` (or a seed-chosen train entry) at its first user request."""
-        super().reset(seed=seed)
-        task = (options or {}).get("task")
-        if task is None:
-            train = self.task_ids("train")
-            task = train[int(self.np_random.integers(len(train)))]
+    def _start_episode(self, task: str) -> str:
+        """Builds the entry's backend from its initial config and shows its first user request."""
         self._entry = self._entry_of(task)
         self._instances = {}
         _, self._instances = execute_calls(self._entry, {}, [])
         self._functions = {doc["name"] for doc in self._entry["function"]}
         self._question, self._turn_calls, self._decoded = 0, [], [[]]
-        self._turn, self._done = 0, False
-        self._last_obs = INSTRUCTIONS + format_function_docs(self._entry["function"]) + "\n\n" + self._request(0)
-        return self._last_obs, self._info(success=False, valid_action=True)
+        return INSTRUCTIONS + format_function_docs(self._entry["function"]) + "\n\n" + self._request(0)
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Runs the calls of one reply, or moves to the next request on ``[]``; never raises on a bad reply."""
-        if not self._entry:
-            raise RuntimeError("step() called before reset(); call reset() first")
-        if self._done:
-            raise RuntimeError(f"episode on task {self._entry['id']!r} is over; call reset() before step()")
-        self._turn += 1
+        self._begin_turn()
         reward, terminated, success, valid = 0.0, False, False, True
         verdict: dict[str, Any] | None = None
         try:
@@ -434,17 +413,11 @@ class BFCLMultiTurnEnv(gymnasium.Env):
                 reward = 1.0 if success else 0.0
                 obs = "All requests are done. " + ("The checker passed." if success else
                                                    f"The checker failed: {verdict['error_message']}")
-        truncated = not terminated and self._turn >= self.max_turns
-        self._done = terminated or truncated
-        self._last_obs = obs
+        truncated = self._end_turn(obs, terminated=terminated)
         info = self._info(success=success, valid_action=valid)
         if verdict is not None:
             info["checker"] = verdict
         return obs, reward, terminated, truncated, info
-
-    def render(self) -> str:
-        """The current observation text ("" before the first reset)."""
-        return self._last_obs
 
     def _request(self, index: int) -> str:
         revealed = self._entry["missed_function"].get(str(index))
@@ -492,12 +465,8 @@ class BFCLMultiTurnEnv(gymnasium.Env):
         rest = truth[made:]
         return "[" + ", ".join(rest) + "]"
 
-    def _info(self, *, success: bool, valid_action: bool) -> dict[str, Any]:
+    def _state_info(self) -> dict[str, Any]:
         return {
-            "success": bool(success),
-            "valid_action": bool(valid_action),
-            "task": self._entry["id"],
-            "turn": self._turn,
             "request": self._question,
             "n_requests": len(self._entry["question"]),
             "expert_action": self.expert_action(),

@@ -50,7 +50,6 @@ import functools
 import json
 import math
 import re
-import string
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -59,6 +58,8 @@ from typing import Any
 
 import gymnasium
 import numpy as np
+
+from environments.base import TextEnv, check_split
 
 SETTINGS: tuple[str, ...] = ("refill", "diagnostic", "titration")
 REWARDS: tuple[str, ...] = ("outcome", "outcome_info_gain")
@@ -312,8 +313,7 @@ class Patient:
 def split_patients(setting: str, split_seed: int, n_train: int, n_eval: int, split: str) -> tuple[Patient, ...]:
     """The patients of ``split``: a pure function of the arguments. Eval is drawn first and train
     skips any eval patient, so the splits are disjoint by content; no split repeats a patient."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(map(repr, SPLITS))}")
+    check_split(split, SPLITS)
     s = load_setting(setting)
     exclude = set() if split == "eval" else set(split_patients(setting, split_seed, n_train, n_eval, "eval"))
     count = n_eval if split == "eval" else n_train
@@ -402,7 +402,7 @@ def intro_text(setting: ClinicalSetting, patient: Patient, max_turns: int) -> st
     ])
 
 
-class ClinicalWorkupEnv(gymnasium.Env):
+class ClinicalWorkupEnv(TextEnv):
     """Clinical work-up simulator: ask, test, then commit to a decision for a patient whose condition is hidden (refill triage, diagnosis, dose titration).
 
     Tasks are patients sampled from the setting's Bayesian network with ids like
@@ -466,24 +466,19 @@ class ClinicalWorkupEnv(gymnasium.Env):
         if isinstance(premature_threshold, bool) or not isinstance(premature_threshold, (int, float)) \
                 or not 0 < premature_threshold <= 1:
             raise ValueError(f"premature_threshold={premature_threshold!r} must be in (0, 1]")
-        if render_mode not in (None, "ansi"):
-            raise ValueError(f"render_mode={render_mode!r} is not supported; use None or 'ansi'")
+        super().__init__(max_turns=int(max_turns), render_mode=render_mode, max_observation_chars=4096,
+                         max_action_chars=256)
         self.setting = load_setting(setting)
         self._setting_key = setting
         self.reward_kind = reward
         self.info_gain_coef = float(info_gain_coef)
-        self.max_turns = int(max_turns)
         self.n_tasks = {"train": int(n_train_tasks), "eval": int(n_eval_tasks)}
         self.split_seed = int(split_seed)
         self.invalid_action_penalty = float(invalid_action_penalty)
         self.timeout_value = float(timeout_value)
         self.premature_threshold = float(premature_threshold)
-        self.render_mode = render_mode
-        self.observation_space = gymnasium.spaces.Text(max_length=4096, charset=string.printable)
-        self.action_space = gymnasium.spaces.Text(min_length=0, max_length=256, charset=string.printable)
         self._patient: Patient | None = None
         self._evidence: dict[str, int] = {}
-        self._task, self._turn, self._done, self._last_obs = "", 0, False, ""
         self._questions, self._costs, self._info_gain_bits = 0, 0.0, 0.0
 
     # ----- tasks -----
@@ -511,27 +506,16 @@ class ClinicalWorkupEnv(gymnasium.Env):
         """Current posterior over the conditions, shape (conditions,)."""
         return posterior(self.setting, self._evidence)
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-        """Starts an episode on ``options["task"]``, or on a seed-chosen train task."""
-        super().reset(seed=seed)
-        task = (options or {}).get("task")
-        if task is None:
-            train = self.task_ids("train")
-            task = train[int(self.np_random.integers(len(train)))]
+    def _start_episode(self, task: str) -> str:
+        """Admits ``task``'s patient with only the presentation findings known."""
         self._patient = self.task_patient(task)
         self._evidence = {f.name: a for f, a in zip(self.setting.findings, self._patient.answers) if f.kind == "presentation"}
-        self._task, self._turn, self._done = task, 0, False
         self._questions, self._costs, self._info_gain_bits = 0, 0.0, 0.0
-        self._last_obs = intro_text(self.setting, self._patient, self.max_turns)
-        return self._last_obs, self._info(success=False, valid_action=True)
+        return intro_text(self.setting, self._patient, self.max_turns)
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Applies one text action; a bad action costs a turn and the penalty, never raises."""
-        if self._patient is None:
-            raise RuntimeError("step() called before reset(); call reset() first")
-        if self._done:
-            raise RuntimeError(f"episode on task {self._task!r} is over; call reset() before step()")
-        self._turn += 1
+        self._begin_turn()
         s, patient = self.setting, self._patient
         parsed = parse_action(action, s)
         reward, terminated, decision, step_gain = 0.0, False, None, 0.0
@@ -557,24 +541,18 @@ class ClinicalWorkupEnv(gymnasium.Env):
             self._info_gain_bits += step_gain
             reward = -finding.cost + (self.info_gain_coef * step_gain if self.reward_kind == "outcome_info_gain" else 0.0)
             obs = ("(asked before) " if repeated else "") + finding_text(finding, patient.answers[f], patient.values[f])
-        truncated = not terminated and self._turn >= self.max_turns
-        if truncated:
+        if self._truncates(terminated):
             reward += self.timeout_value
             obs += " The turn budget is used up without a decision."
         elif not terminated:
             obs += f" Turns left: {self.max_turns - self._turn}."
-        self._done = terminated or truncated
-        self._last_obs = obs
+        truncated = self._end_turn(obs, terminated=terminated)
         success = decision is not None and decision == int(s.optimal_H[patient.condition])
         info = self._info(success=success, valid_action=parsed is not None)
         info["info_gain_bits"] = step_gain
         if self._done:
             info.update(self._metrics(decision))
         return obs, reward, terminated, truncated, info
-
-    def render(self) -> str:
-        """The current observation text ("" before the first reset)."""
-        return self._last_obs
 
     def _metrics(self, decision: int | None) -> dict[str, Any]:
         s, condition = self.setting, self._patient.condition
@@ -597,15 +575,11 @@ class ClinicalWorkupEnv(gymnasium.Env):
             "info_gain_bits_total": self._info_gain_bits,
         }
 
-    def _info(self, *, success: bool, valid_action: bool) -> dict[str, Any]:
+    def _state_info(self) -> dict[str, Any]:
         s = self.setting
         unasked = [f.action for f in s.findings if f.kind != "presentation" and f.name not in self._evidence]
         return {
-            "success": bool(success),
-            "valid_action": bool(valid_action),
-            "task": self._task,
             "setting": s.name,
-            "turn": self._turn,
             "questions_asked": self._questions,
             "admissible_actions": unasked + [f"commit {d}" for d in s.decisions],
             # Not offered once the episode is over.

@@ -2,8 +2,8 @@
 
 The agent reads the lake as a grid of letters and answers with one move word.
 Transition dynamics are gymnasium's ``FrozenLakeEnv`` (non-slippery); this
-module only adds text rendering, action parsing, a turn budget, deterministic
-task splits and a BFS expert.
+module only adds text rendering, action parsing, deterministic task splits and
+a BFS expert (the turn budget is ``environments.base.TextEnv``'s).
 
 Example:
     >>> env = FrozenLakeTextEnv(n_train_tasks=50, n_eval_tasks=10)
@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import functools
 import re
-import string
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-import gymnasium
 import numpy as np
 from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv
+
+from environments.base import TextEnv, check_split
 
 # Index in this tuple == gymnasium FrozenLake action id (0 left, 1 down, 2 right, 3 up).
 ACTIONS: tuple[str, ...] = ("left", "down", "right", "up")
@@ -108,7 +108,7 @@ def expert_policy(obs: str, info: dict[str, Any]) -> str:
     return info.get("expert_action") or "down"
 
 
-class FrozenLakeTextEnv(gymnasium.Env):
+class FrozenLakeTextEnv(TextEnv):
     """FrozenLake as text: reach the goal on a frozen lake without falling into a hole (gymnasium's FrozenLake engine).
 
     Observations and actions are strings. Tasks are maps produced deterministically
@@ -135,6 +135,7 @@ class FrozenLakeTextEnv(gymnasium.Env):
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
+    tokenizer_words = ACTIONS
 
     def __init__(
         self,
@@ -160,28 +161,19 @@ class FrozenLakeTextEnv(gymnasium.Env):
         _check_int("split_seed", split_seed, minimum=0)
         if not isinstance(invalid_action_penalty, (int, float)) or invalid_action_penalty < 0:
             raise ValueError(f"invalid_action_penalty={invalid_action_penalty!r} must be >= 0 (it is subtracted)")
-        if render_mode not in (None, "ansi"):
-            raise ValueError(f"render_mode={render_mode!r} is not supported; use None or 'ansi'")
+        super().__init__(max_turns=max_turns, render_mode=render_mode,
+                         max_observation_chars=256 + 2 * map_size * map_size, max_action_chars=256)
         self.map_size = map_size
         self.frozen_prob = float(frozen_prob)
-        self.max_turns = max_turns
         self.n_tasks = {"train": n_train_tasks, "eval": n_eval_tasks}
         self.invalid_action_penalty = float(invalid_action_penalty)
         self.split_seed = split_seed
         self.describe_surroundings = bool(describe_surroundings)
         self.hole_restarts = bool(hole_restarts)
         self.describe_position = bool(describe_position)
-        self.render_mode = render_mode
-        charset = string.printable  # letters, digits, punctuation, space and "\n"
-        self.observation_space = gymnasium.spaces.Text(max_length=256 + 2 * map_size * map_size, charset=charset)
-        self.action_space = gymnasium.spaces.Text(min_length=0, max_length=256, charset=charset)
         self._lake: FrozenLakeEnv | None = None
         self._desc: tuple[str, ...] = ()
         self._dist: dict[tuple[int, int], int] = {}
-        self._task = ""
-        self._turn = 0
-        self._done = False
-        self._last_obs = ""
 
     # ----- tasks -----
     def task_ids(self, split: str) -> list[str]:
@@ -206,8 +198,7 @@ class FrozenLakeTextEnv(gymnasium.Env):
         return split, index
 
     def _split_maps(self, split: str) -> tuple[tuple[str, ...], ...]:
-        if split not in SPLITS:
-            raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(map(repr, SPLITS))}")
+        check_split(split, SPLITS)
         return split_maps(self.map_size, self.frozen_prob, self.split_seed, self.n_tasks["train"], self.n_tasks["eval"], split)
 
     # ----- episode -----
@@ -218,13 +209,8 @@ class FrozenLakeTextEnv(gymnasium.Env):
             raise RuntimeError("no episode yet; call reset() first")
         return divmod(int(self._lake.s), self.map_size)
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-        """Starts an episode on ``options["task"]``, or on a seed-chosen train task."""
-        super().reset(seed=seed)
-        task = (options or {}).get("task")
-        if task is None:
-            train = self.task_ids("train")
-            task = train[int(self.np_random.integers(len(train)))]
+    def _start_episode(self, task: str) -> str:
+        """Puts the agent on S of ``task``'s map."""
         self._desc = self.task_map(task)
         self._dist = distances_to_goal(self._desc)
         if (0, 0) not in self._dist:
@@ -232,17 +218,11 @@ class FrozenLakeTextEnv(gymnasium.Env):
         self._lake = FrozenLakeEnv(desc=list(self._desc), is_slippery=False)
         # Non-slippery moves ignore the engine RNG; seeding it anyway keeps every RNG reproducible.
         self._lake.reset(seed=int(self.np_random.integers(2**31)))
-        self._task, self._turn, self._done = task, 0, False
-        self._last_obs = INSTRUCTION + self._grid()
-        return self._last_obs, self._info(success=False, valid_action=True)
+        return INSTRUCTION + self._grid()
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Applies one text action; a bad action costs a turn and the penalty, never raises."""
-        if self._lake is None:
-            raise RuntimeError("step() called before reset(); call reset() first")
-        if self._done:
-            raise RuntimeError(f"episode on task {self._task!r} is over; call reset() before step()")
-        self._turn += 1
+        self._begin_turn()
         move = parse_action(action)
         terminated, success = False, False
         if move is None:
@@ -268,14 +248,8 @@ class FrozenLakeTextEnv(gymnasium.Env):
             else:
                 prefix = ""
             obs = prefix + self._grid()
-        truncated = not terminated and self._turn >= self.max_turns
-        self._done = bool(terminated or truncated)
-        self._last_obs = obs
+        truncated = self._end_turn(obs, terminated=terminated)
         return obs, reward, bool(terminated), truncated, self._info(success=success, valid_action=move is not None)
-
-    def render(self) -> str:
-        """The current observation text ("" before the first reset)."""
-        return self._last_obs
 
     def _grid(self) -> str:
         lines = [render_grid(self._desc, self.agent_cell)]
@@ -286,12 +260,8 @@ class FrozenLakeTextEnv(gymnasium.Env):
             lines.append(surroundings(self._desc, self.agent_cell))
         return "\n".join(lines)
 
-    def _info(self, *, success: bool, valid_action: bool) -> dict[str, Any]:
+    def _state_info(self) -> dict[str, Any]:
         return {
-            "success": success,
-            "valid_action": valid_action,
-            "task": self._task,
-            "turn": self._turn,
             "admissible_actions": list(ACTIONS),
             # Still offered after truncation (useful as a label); None on G/H or if G is unreachable.
             "expert_action": best_action(self._desc, self.agent_cell, self._dist),

@@ -34,12 +34,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import string
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import gymnasium
+
+from environments.base import TextEnv, check_split
 
 SPLITS: tuple[str, ...] = ("train", "eval", "test")
 # Variations per task, in the order of the engine's tasks.json (the paper's task numbering 1-1 ... 10-2).
@@ -208,7 +209,7 @@ class GoldPathFollower:
             self.index = None
 
 
-class ScienceWorldTextEnv(gymnasium.Env):
+class ScienceWorldTextEnv(TextEnv):
     """ScienceWorld: 30 elementary-science tasks in a simulated house, scored 0-100 (official Scala engine, gold-path expert).
 
     One JVM per env instance, started at the first ``reset`` and stopped by ``close``.
@@ -229,8 +230,6 @@ class ScienceWorldTextEnv(gymnasium.Env):
         cache_dir: Where gold paths are cached; default ``default_cache_dir("scienceworld")``.
         render_mode: None or "ansi"; ``render()`` returns the current text either way.
     """
-
-    metadata = {"render_modes": ["ansi"]}
 
     def __init__(
         self,
@@ -258,34 +257,24 @@ class ScienceWorldTextEnv(gymnasium.Env):
         if isinstance(invalid_action_penalty, bool) or not isinstance(invalid_action_penalty, (int, float)) \
                 or invalid_action_penalty < 0:
             raise ValueError(f"invalid_action_penalty={invalid_action_penalty!r} must be >= 0 (it is subtracted)")
-        if render_mode not in (None, "ansi"):
-            raise ValueError(f"render_mode={render_mode!r} is not supported; use None or 'ansi'")
-        self.max_turns = max_turns
+        super().__init__(max_turns=max_turns, render_mode=render_mode, max_observation_chars=100_000,
+                         max_action_chars=1_000)
         self.task_names = tuple(n for n in TASK_MAX_VARIATIONS if n in names)  # canonical order
         self.simplifications = simplifications
         self.expert = bool(expert)
         self.admissible_actions = bool(admissible_actions)
         self.invalid_action_penalty = float(invalid_action_penalty)
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir("scienceworld")
-        self.render_mode = render_mode
-        charset = string.printable
-        self.observation_space = gymnasium.spaces.Text(max_length=100_000, charset=charset)
-        self.action_space = gymnasium.spaces.Text(min_length=0, max_length=1_000, charset=charset)
         self._gateway: Any = None  # py4j JavaGateway, started lazily
         self._server: Any = None  # the engine's PythonInterface
-        self._task = ""
         self._gold = GoldPathFollower([])
         self._pending_choice = False  # the engine asked "which one did you mean?"
         self._score = 0
-        self._turn = 0
-        self._done = True
-        self._last_obs = ""
 
     # ----- tasks -----
     def task_ids(self, split: str) -> list[str]:
         """Ids ``sw-<task>-<variation>`` of ``split`` ("train", "eval" = official dev, "test")."""
-        if split not in SPLITS:
-            raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(map(repr, SPLITS))}")
+        check_split(split, SPLITS)
         return [f"sw-{name}-{v}" for name in self.task_names
                 for v in split_variations(TASK_MAX_VARIATIONS[name])[split]]
 
@@ -303,39 +292,33 @@ class ScienceWorldTextEnv(gymnasium.Env):
         return name, variation
 
     # ----- episode -----
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-        """Loads ``options["task"]``, or a seed-chosen train task (a task name uniformly, then a variation)."""
-        super().reset(seed=seed)
-        task = (options or {}).get("task")
-        if task is None:
-            name = self.task_names[int(self.np_random.integers(len(self.task_names)))]
-            train = split_variations(TASK_MAX_VARIATIONS[name])["train"]
-            task = f"sw-{name}-{train[int(self.np_random.integers(len(train)))]}"
+    def _draw_train_task(self) -> str:
+        """A task name uniformly, then one of its train variations: tasks with many variations are not favoured."""
+        name = self.task_names[int(self.np_random.integers(len(self.task_names)))]
+        train = split_variations(TASK_MAX_VARIATIONS[name])["train"]
+        return f"sw-{name}-{train[int(self.np_random.integers(len(train)))]}"
+
+    def _start_episode(self, task: str) -> str:
+        """Loads ``task``'s world (and its gold path, from the cache or the engine) and looks around."""
         name, variation = self.parse_task_id(task)
         server = self._engine()
         gold = self._load(name, variation) if self.expert else self._load_world(name, variation, gold=False)
         self._gold = GoldPathFollower(gold)
         look = server.step("look around")  # what the official reset shows; it takes no game time
-        self._task, self._turn, self._done = task, 0, False
         self._pending_choice = False
         self._score = _score_of(server)
         forms = ", ".join(server.getPossibleActions())
-        self._last_obs = (
+        return (
             f"{server.getTaskDescription().strip()}\n"
             "Answer with one action per turn, e.g. \"look around\" or \"open door to kitchen\". "
             f"Action forms (OBJ is a thing or place you can see): {forms}. "
             "\"objects\" lists what you can refer to.\n\n"
             f"{look.strip()}"
         )
-        return self._last_obs, self._info(success=False, valid_action=True)
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Sends one command; an unparseable one costs a turn and the penalty, never raises."""
-        if self._server is None or not self._task:
-            raise RuntimeError("step() called before reset(); call reset() first")
-        if self._done:
-            raise RuntimeError(f"episode on task {self._task!r} is over; call reset() before step()")
-        self._turn += 1
+        self._begin_turn()
         command = normalize_command(action)
         reply = self._server.step(command) if command else _INVALID_PREFIXES[0] + "."
         valid = not reply.startswith(_INVALID_PREFIXES)
@@ -357,14 +340,12 @@ class ScienceWorldTextEnv(gymnasium.Env):
             reward -= self.invalid_action_penalty
             obs = (f"Invalid action {str(action)[:80]!r}: {reply.strip()} "
                    "Answer with one action, e.g. \"look around\"; \"help\" lists the action forms.")
-        truncated = not terminated and self._turn >= self.max_turns
-        self._done = terminated or truncated
-        self._last_obs = obs
+        truncated = self._end_turn(obs, terminated=terminated)
         return obs, reward, terminated, truncated, self._info(success=success, valid_action=valid)
 
-    def render(self) -> str:
-        """The current observation text ("" before the first reset)."""
-        return self._last_obs
+    def _has_episode(self) -> bool:
+        # close() and a copy drop the JVM with the episode in it.
+        return self._server is not None and super()._has_episode()
 
     def close(self) -> None:
         """Stops the JVM (idempotent); the next reset starts a new one."""
@@ -417,14 +398,8 @@ class ScienceWorldTextEnv(gymnasium.Env):
                              f"with simplifications {self.simplifications!r}: {error}")
         return [str(a) for a in self._server.getGoldActionSequence()] if gold else []
 
-    def _info(self, *, success: bool, valid_action: bool) -> dict[str, Any]:
-        info: dict[str, Any] = {
-            "success": bool(success),
-            "valid_action": bool(valid_action),
-            "task": self._task,
-            "turn": self._turn,
-            "score": self._score,
-        }
+    def _state_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"score": self._score}
         if self.expert:
             info["expert_action"] = self._gold.next_action
         if self.admissible_actions:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import string
 import tempfile
 import warnings
 from pathlib import Path
@@ -37,6 +36,7 @@ from typing import Any
 import gymnasium
 import numpy as np
 
+from environments.base import TextEnv, check_split
 from environments.scienceworld_env import default_cache_dir, normalize_command
 
 SPLITS: tuple[str, ...] = ("train", "eval")
@@ -56,7 +56,7 @@ def clean_feedback(text: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", text).strip()
 
 
-class TextWorldTextEnv(gymnasium.Env):
+class TextWorldTextEnv(TextEnv):
     """TextWorld: generated text-adventure games with one quest each (official generator and Z-machine engine, walkthrough expert).
 
     Args:
@@ -71,8 +71,6 @@ class TextWorldTextEnv(gymnasium.Env):
         cache_dir: Where games are cached; default ``default_cache_dir("textworld")``.
         render_mode: None or "ansi"; ``render()`` returns the current text either way.
     """
-
-    metadata = {"render_modes": ["ansi"]}
 
     def __init__(
         self,
@@ -97,32 +95,22 @@ class TextWorldTextEnv(gymnasium.Env):
         if isinstance(invalid_action_penalty, bool) or not isinstance(invalid_action_penalty, (int, float)) \
                 or invalid_action_penalty < 0:
             raise ValueError(f"invalid_action_penalty={invalid_action_penalty!r} must be >= 0 (it is subtracted)")
-        if render_mode not in (None, "ansi"):
-            raise ValueError(f"render_mode={render_mode!r} is not supported; use None or 'ansi'")
-        self.max_turns = int(max_turns)
+        super().__init__(max_turns=int(max_turns), render_mode=render_mode, max_observation_chars=100_000,
+                         max_action_chars=1_000)
         self.nb_rooms, self.nb_objects, self.quest_length = int(nb_rooms), int(nb_objects), int(quest_length)
         self.n_games = {"train": int(n_train_games), "eval": int(n_eval_games)}
         self.split_seed = int(split_seed)
         self.invalid_action_penalty = float(invalid_action_penalty)
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir("textworld")
-        self.render_mode = render_mode
         self._prefix = f"tw-r{self.nb_rooms}-o{self.nb_objects}-q{self.quest_length}"
         self._task_re = re.compile(re.escape(self._prefix) + r"-(train|eval)-(\d{5})")
-        charset = string.printable
-        self.observation_space = gymnasium.spaces.Text(max_length=100_000, charset=charset)
-        self.action_space = gymnasium.spaces.Text(min_length=0, max_length=1_000, charset=charset)
         self._game: Any = None  # the running textworld environment
         self._state: Any = None  # its last GameState
-        self._task = ""
-        self._turn = 0
-        self._done = True
-        self._last_obs = ""
 
     # ----- tasks -----
     def task_ids(self, split: str) -> list[str]:
         """Ids ``tw-r<rooms>-o<objects>-q<length>-<split>-<index>`` of ``split`` ("train" or "eval")."""
-        if split not in SPLITS:
-            raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(map(repr, SPLITS))}")
+        check_split(split, SPLITS)
         return [f"{self._prefix}-{split}-{i:05d}" for i in range(self.n_games[split])]
 
     def parse_task_id(self, task_id: Any) -> tuple[str, int]:
@@ -187,15 +175,10 @@ class TextWorldTextEnv(gymnasium.Env):
             shutil.rmtree(staging, ignore_errors=True)
 
     # ----- episode -----
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-        """Starts ``options["task"]``, or a seed-chosen train game."""
+    def _start_episode(self, task: str) -> str:
+        """Starts ``task``'s game (generating it on first use) and shows its introduction."""
         import textworld
 
-        super().reset(seed=seed)
-        task = (options or {}).get("task")
-        if task is None:
-            train = self.task_ids("train")
-            task = train[int(self.np_random.integers(len(train)))]
         path = self.game_file(task)
         self._close_game()
         infos = textworld.EnvInfos(admissible_commands=True, policy_commands=True, objective=True,
@@ -205,23 +188,17 @@ class TextWorldTextEnv(gymnasium.Env):
             warnings.filterwarnings("ignore", message=".*is not fully supported", category=UserWarning)
             self._game = textworld.start(str(path), infos)
             self._state = self._game.reset()
-        self._task, self._turn, self._done = task, 0, False
         intro = self._state.feedback
         start = intro.find(self._state["objective"][:60])
-        self._last_obs = (
+        return (
             "You are playing a text adventure game. Answer with one command per turn, e.g. \"go north\", "
             "\"open door\", \"take key from table\", \"unlock chest with key\", \"look\" or \"inventory\".\n\n"
             + clean_feedback(intro[start:] if start >= 0 else intro)
         )
-        return self._last_obs, self._info(success=False, valid_action=True)
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Sends one command; one the game does not carry out costs a turn and the penalty, never raises."""
-        if self._game is None:
-            raise RuntimeError("step() called before reset(); call reset() first")
-        if self._done:
-            raise RuntimeError(f"episode on task {self._task!r} is over; call reset() before step()")
-        self._turn += 1
+        self._begin_turn()
         command = normalize_command(action)
         before = self._state
         if command:
@@ -239,14 +216,12 @@ class TextWorldTextEnv(gymnasium.Env):
             reward -= self.invalid_action_penalty
             obs = (f"Invalid action {str(action)[:80]!r}: {feedback} "
                    "Answer with one command, e.g. \"look\", \"go east\" or \"take key\".")
-        truncated = not terminated and self._turn >= self.max_turns
-        self._done = terminated or truncated
-        self._last_obs = obs
+        truncated = self._end_turn(obs, terminated=terminated)
         return obs, float(reward), terminated, truncated, self._info(success=success, valid_action=valid)
 
-    def render(self) -> str:
-        """The current observation text ("" before the first reset)."""
-        return self._last_obs
+    def _has_episode(self) -> bool:
+        # close() and a copy drop the running game with the episode in it.
+        return self._game is not None
 
     def close(self) -> None:
         """Closes the running game (idempotent)."""
@@ -264,13 +239,9 @@ class TextWorldTextEnv(gymnasium.Env):
         state.update(_game=None, _state=None, _done=True)
         return state
 
-    def _info(self, *, success: bool, valid_action: bool) -> dict[str, Any]:
+    def _state_info(self) -> dict[str, Any]:
         policy = self._state["policy_commands"]
         return {
-            "success": bool(success),
-            "valid_action": bool(valid_action),
-            "task": self._task,
-            "turn": self._turn,
             "score": int(self._state["score"]),
             "max_score": int(self._state["max_score"]),
             "admissible_actions": [str(c) for c in self._state["admissible_commands"]],

@@ -26,12 +26,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import string
 from pathlib import Path
 from typing import Any
 
 import gymnasium
 
+from environments.base import TextEnv, check_split
 from environments.scienceworld_env import (
     GoldPathFollower,
     default_cache_dir,
@@ -52,7 +52,7 @@ _INVALID_PREFIX = "Unknown action"
 _TASK_RE = re.compile(r"twx-([a-z]+)-(\d+)")
 
 
-class TextWorldExpressTextEnv(gymnasium.Env):
+class TextWorldExpressTextEnv(TextEnv):
     """TextWorldExpress: eight fast generated text-game families, cooking to arithmetic (official Scala engine, gold-path expert).
 
     One JVM per env instance, started at the first ``reset`` and stopped by ``close``.
@@ -68,8 +68,6 @@ class TextWorldExpressTextEnv(gymnasium.Env):
         cache_dir: Where gold paths are cached; default ``default_cache_dir("textworld_express")``.
         render_mode: None or "ansi"; ``render()`` returns the current text either way.
     """
-
-    metadata = {"render_modes": ["ansi"]}
 
     def __init__(
         self,
@@ -94,34 +92,24 @@ class TextWorldExpressTextEnv(gymnasium.Env):
         if isinstance(invalid_action_penalty, bool) or not isinstance(invalid_action_penalty, (int, float)) \
                 or invalid_action_penalty < 0:
             raise ValueError(f"invalid_action_penalty={invalid_action_penalty!r} must be >= 0 (it is subtracted)")
-        if render_mode not in (None, "ansi"):
-            raise ValueError(f"render_mode={render_mode!r} is not supported; use None or 'ansi'")
-        self.max_turns = max_turns
+        super().__init__(max_turns=max_turns, render_mode=render_mode, max_observation_chars=100_000,
+                         max_action_chars=1_000)
         self.game_names = tuple(n for n in GAME_NAMES if n in names)  # canonical order
         self.game_params = params
         self.expert = bool(expert)
         self.invalid_action_penalty = float(invalid_action_penalty)
         self.cache_dir = (Path(cache_dir).expanduser() if cache_dir is not None
                           else default_cache_dir("textworld_express"))
-        self.render_mode = render_mode
-        charset = string.printable
-        self.observation_space = gymnasium.spaces.Text(max_length=100_000, charset=charset)
-        self.action_space = gymnasium.spaces.Text(min_length=0, max_length=1_000, charset=charset)
         self._gateway: Any = None
         self._server: Any = None  # the engine's PythonInterface
         self._loaded: tuple[str, str] | None = None  # (game, params) the engine has loaded
         self._response: dict[str, Any] = {}
         self._gold = GoldPathFollower([])
-        self._task = ""
-        self._turn = 0
-        self._done = True
-        self._last_obs = ""
 
     # ----- tasks -----
     def task_ids(self, split: str) -> list[str]:
         """Ids ``twx-<game>-<seed>`` of ``split`` ("train", "eval" = the engine's dev fold, "test")."""
-        if split not in SPLITS:
-            raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(map(repr, SPLITS))}")
+        check_split(split, SPLITS)
         return [f"twx-{game}-{seed}" for game in self.game_names for seed in SPLIT_SEEDS[split]]
 
     def parse_task_id(self, task_id: Any) -> tuple[str, int, str]:
@@ -138,14 +126,14 @@ class TextWorldExpressTextEnv(gymnasium.Env):
         return game, seed, split
 
     # ----- episode -----
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-        """Generates ``options["task"]``, or a seed-chosen train game (a game uniformly, then a seed)."""
-        super().reset(seed=seed)
-        task = (options or {}).get("task")
-        if task is None:
-            game = self.game_names[int(self.np_random.integers(len(self.game_names)))]
-            seeds = SPLIT_SEEDS["train"]
-            task = f"twx-{game}-{seeds[int(self.np_random.integers(len(seeds)))]}"
+    def _draw_train_task(self) -> str:
+        """A game uniformly, then one of its train seeds."""
+        game = self.game_names[int(self.np_random.integers(len(self.game_names)))]
+        seeds = SPLIT_SEEDS["train"]
+        return f"twx-{game}-{seeds[int(self.np_random.integers(len(seeds)))]}"
+
+    def _start_episode(self, task: str) -> str:
+        """Generates ``task``'s game (its gold path from the cache or the engine) and shows its start."""
         game, game_seed, split = self.parse_task_id(task)
         server = self._engine(game)
         gold: list[str] = []
@@ -162,22 +150,16 @@ class TextWorldExpressTextEnv(gymnasium.Env):
         else:
             self._response = self._generate(game_seed, split, gold=False)
         self._gold = GoldPathFollower(gold)
-        self._task, self._turn, self._done = task, 0, False
-        self._last_obs = (
+        return (
             f"{server.getTaskDescription().strip()}\n"
             "Answer with one action per turn, e.g. \"look around\", \"move north\", \"open door to north\", "
             "\"take coin\" or \"inventory\".\n\n"
             f"{self._response['observation'].strip()}"
         )
-        return self._last_obs, self._info(success=False, valid_action=True)
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Sends one command; an unknown one costs a turn and the penalty, never raises."""
-        if self._server is None or not self._task:
-            raise RuntimeError("step() called before reset(); call reset() first")
-        if self._done:
-            raise RuntimeError(f"episode on task {self._task!r} is over; call reset() before step()")
-        self._turn += 1
+        self._begin_turn()
         command = normalize_command(action)
         before = self._response
         if command:
@@ -198,14 +180,12 @@ class TextWorldExpressTextEnv(gymnasium.Env):
             reward -= self.invalid_action_penalty
             obs = (f"Invalid action {str(action)[:80]!r}: {reply} "
                    "Answer with one action, e.g. \"look around\" or \"inventory\".")
-        truncated = not terminated and self._turn >= self.max_turns
-        self._done = terminated or truncated
-        self._last_obs = obs
+        truncated = self._end_turn(obs, terminated=terminated)
         return obs, reward, terminated, truncated, self._info(success=success, valid_action=valid)
 
-    def render(self) -> str:
-        """The current observation text ("" before the first reset)."""
-        return self._last_obs
+    def _has_episode(self) -> bool:
+        # close() and a copy drop the JVM with the episode in it.
+        return self._server is not None and super()._has_episode()
 
     def close(self) -> None:
         """Stops the JVM (idempotent); the next reset starts a new one."""
@@ -249,12 +229,8 @@ class TextWorldExpressTextEnv(gymnasium.Env):
         params = re.sub(r"[^A-Za-z0-9=.-]+", "+", self.game_params.get(game, "")) or "default"
         return (self.cache_dir / f"gold-v{textworld_express.__version__}" / game / params / f"{game_seed}.json")
 
-    def _info(self, *, success: bool, valid_action: bool) -> dict[str, Any]:
+    def _state_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {
-            "success": bool(success),
-            "valid_action": bool(valid_action),
-            "task": self._task,
-            "turn": self._turn,
             "score": float(self._response["score"]),
             "admissible_actions": sorted(str(a) for a in self._response["validActions"]),
         }

@@ -32,14 +32,13 @@ from __future__ import annotations
 import copy
 import functools
 import re
-import string
 import sys
 from typing import Any
 
-import gymnasium
 import numpy as np
 
 from environments.alfworld_env.games import GeneratedGames, OfficialGames
+from environments.base import TextEnv
 
 ACTION_HELP = (
     "Reply with one command per turn, using the names you see: go to {recep}, open {recep}, close {recep}, "
@@ -153,7 +152,7 @@ class _Engine:
         return state.feedback, list(state.admissible_commands), bool(state.won), list(plan or [])
 
 
-class ALFWorldTextEnv(gymnasium.Env):
+class ALFWorldTextEnv(TextEnv):
     """ALFWorld household tasks as text: find, clean, heat, cool and place objects (official ALFWorld engine).
 
     Tasks are procedurally generated games for the six ALFWorld task types (ids like
@@ -201,8 +200,8 @@ class ALFWorldTextEnv(gymnasium.Env):
         _check_int("max_turns", max_turns, minimum=1)
         if not isinstance(invalid_action_penalty, (int, float)) or invalid_action_penalty < 0:
             raise ValueError(f"invalid_action_penalty={invalid_action_penalty!r} must be >= 0 (it is subtracted)")
-        if render_mode not in (None, "ansi"):
-            raise ValueError(f"render_mode={render_mode!r} is not supported; use None or 'ansi'")
+        super().__init__(max_turns=max_turns, render_mode=render_mode, max_observation_chars=16384,
+                         max_action_chars=256)
         if game_files_dir is not None:
             given = {k: v for k, v in (("n_train_tasks", n_train_tasks), ("n_eval_tasks", n_eval_tasks),
                                        ("split_seed", split_seed), ("cache_dir", cache_dir)) if v is not None}
@@ -218,21 +217,12 @@ class ALFWorldTextEnv(gymnasium.Env):
             _check_int("split_seed", 0 if split_seed is None else split_seed, minimum=0)
             self.games = GeneratedGames({"train": n_train, "eval": n_eval, "eval_seen": n_eval},
                                         split_seed=split_seed or 0, cache_dir=cache_dir)
-        self.max_turns = max_turns
         self.expert = bool(expert)
         self.show_admissible = bool(show_admissible)
         self.invalid_action_penalty = float(invalid_action_penalty)
-        self.render_mode = render_mode
-        charset = string.printable
-        self.observation_space = gymnasium.spaces.Text(max_length=16384, charset=charset)
-        self.action_space = gymnasium.spaces.Text(min_length=0, max_length=256, charset=charset)
         self._engine: _Engine | None = None  # built on first reset: the engine imports take seconds
-        self._task = ""
-        self._turn = 0
-        self._done = True
         self._admissible: list[str] = []
         self._plan: list[str] = []
-        self._last_obs = ""
 
     # ----- tasks -----
     def task_ids(self, split: str) -> list[str]:
@@ -240,30 +230,19 @@ class ALFWorldTextEnv(gymnasium.Env):
         return self.games.task_ids(split)
 
     # ----- episode -----
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-        """Starts an episode on ``options["task"]``, or on a seed-chosen train task."""
-        super().reset(seed=seed)
-        task = (options or {}).get("task")
-        if task is None:
-            train = self.task_ids("train")
-            task = train[int(self.np_random.integers(len(train)))]
+    def _start_episode(self, task: str) -> str:
+        """Loads ``task``'s game (and, with ``expert``, the planner's plan for it)."""
         game_file = self.games.game_file(task)
         if self._engine is None:
             self._engine = _Engine()
         intro, self._admissible, won, self._plan = self._engine.reset(game_file, plan=self.expert)
         if self.expert and (won or not self._plan):
             raise RuntimeError(f"the planner finds no plan for task {task!r} ({game_file}); the game is unsolvable")
-        self._task, self._turn, self._done = task, 0, False
-        self._last_obs = self._observe(f"{intro.strip()}\n\n{ACTION_HELP}")
-        return self._last_obs, self._info(success=False, valid_action=True)
+        return self._observe(f"{intro.strip()}\n\n{ACTION_HELP}")
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Plays one command; one the game does not admit is "Nothing happens.", never an exception."""
-        if self._engine is None:
-            raise RuntimeError("step() called before reset(); call reset() first")
-        if self._done:
-            raise RuntimeError(f"episode on task {self._task!r} is over; call reset() before step()")
-        self._turn += 1
+        self._begin_turn()
         command = normalize_command(action)
         valid = command in self._admissible
         if valid:
@@ -277,26 +256,17 @@ class ALFWorldTextEnv(gymnasium.Env):
             feedback, won, reward = NOTHING_HAPPENS, False, 0.0 - self.invalid_action_penalty  # not -0.0
         if won:
             self._plan = []
-        truncated = not won and self._turn >= self.max_turns
-        self._done = won or truncated
-        self._last_obs = self._observe(feedback.strip())
-        return self._last_obs, reward, won, truncated, self._info(success=won, valid_action=valid)
-
-    def render(self) -> str:
-        """The last observation ("" before the first reset)."""
-        return self._last_obs
+        obs = self._observe(feedback.strip())
+        truncated = self._end_turn(obs, terminated=won)
+        return obs, reward, won, truncated, self._info(success=won, valid_action=valid)
 
     def _observe(self, text: str) -> str:
         if not self.show_admissible:
             return text
         return f"{text}\nAdmissible commands: {', '.join(self._admissible)}"
 
-    def _info(self, *, success: bool, valid_action: bool) -> dict[str, Any]:
+    def _state_info(self) -> dict[str, Any]:
         return {
-            "success": success,
-            "valid_action": valid_action,
-            "task": self._task,
-            "turn": self._turn,
             "admissible_actions": list(self._admissible),
             "expert_action": self._plan[0] if self._plan else None,
             "game_file": self._engine.game_file if self._engine else None,  # the game.tw-pddl being played

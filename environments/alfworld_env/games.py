@@ -30,6 +30,7 @@ import re
 import tempfile
 
 from environments.alfworld_env.generator import TASK_TYPES, game_data, sample_task, traj_data
+from environments.base import check_split
 
 GENERATOR_VERSION = 1  # bump when generated content changes, so stale caches are not reused
 DEFAULT_CACHE_DIR = "~/.cache/opd/envs/alfworld"
@@ -38,10 +39,6 @@ GENERATED_SPLITS = ("train", "eval", "eval_seen")
 # Official split directory of each opd split: "eval" is the unseen-rooms split, as in most papers.
 OFFICIAL_SPLITS = {"train": "train", "eval": "valid_unseen", "eval_seen": "valid_seen"}
 _TASK_RE = re.compile(r"alfgen-([a-z_]+)-(train|eval_seen|eval)-(\d{5})")
-
-
-def _split_error(split: object, valid: tuple[str, ...]) -> ValueError:
-    return ValueError(f"unknown split {split!r}; valid splits: {', '.join(map(repr, valid))}")
 
 
 def write_atomic(path: str, text: str) -> None:
@@ -86,8 +83,7 @@ class GeneratedGames:
         return tuple(s for s in GENERATED_SPLITS if s in self.n_tasks)
 
     def task_ids(self, split: str) -> list[str]:
-        if split not in self.splits:
-            raise _split_error(split, self.splits)
+        check_split(split, self.splits)
         slugs = list(TASK_TYPES)
         return [f"alfgen-{slugs[i % len(slugs)]}-{split}-{i:05d}" for i in range(self.n_tasks[split])]
 
@@ -145,8 +141,7 @@ class OfficialGames:
         self.splits = tuple(present)
 
     def task_ids(self, split: str) -> list[str]:
-        if split not in self.splits:
-            raise _split_error(split, self.splits)
+        check_split(split, self.splits)
         ids = list(_scan_official_split(os.path.join(self.root, OFFICIAL_SPLITS[split])))
         if not ids:
             raise ValueError(f"no playable game under {os.path.join(self.root, OFFICIAL_SPLITS[split])!r}")

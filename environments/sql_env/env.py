@@ -33,17 +33,14 @@ import os
 import random
 import re
 import sqlite3
-import string
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gymnasium
-
+from environments.base import TextEnv, check_split
 from environments.sql_env.data import SCHEMAS, TEMPLATES, Template
 
 SPLITS: tuple[str, ...] = ("train", "eval")
@@ -306,7 +303,7 @@ def parse_reply(text: Any) -> str | None:
 
 
 # ----- environment -----
-class SQLTextEnv(gymnasium.Env):
+class SQLTextEnv(TextEnv):
     """Text-to-SQL: answer a question by querying a generated SQLite database, then submit (InterCode-SQL style).
 
     Task ids look like ``"shop.count_city.3"``. Each step runs one query (read-only, time-limited)
@@ -327,8 +324,6 @@ class SQLTextEnv(gymnasium.Env):
         cache_dir: Where the generated databases are kept.
         render_mode: None or "ansi"; ``render()`` returns the current text either way.
     """
-
-    metadata = {"render_modes": ["ansi"]}
 
     def __init__(
         self,
@@ -357,9 +352,8 @@ class SQLTextEnv(gymnasium.Env):
             raise ValueError(f"invalid_action_penalty={invalid_action_penalty!r} must be >= 0 (it is subtracted)")
         if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or time_limit_s <= 0:
             raise ValueError(f"time_limit_s={time_limit_s!r} must be > 0")
-        if render_mode not in (None, "ansi"):
-            raise ValueError(f"render_mode={render_mode!r} is not supported; use None or 'ansi'")
-        self.max_turns = max_turns
+        super().__init__(max_turns=max_turns, render_mode=render_mode, max_observation_chars=1 << 16,
+                         max_action_chars=1 << 16)
         self.db_seed = db_seed
         self.per_template = per_template
         self.eval_fraction = float(eval_fraction)
@@ -369,17 +363,11 @@ class SQLTextEnv(gymnasium.Env):
         self.max_rows_shown = max_rows_shown
         self.max_rows_read = max_rows_read
         self.cache_dir = str(cache_dir)
-        self.render_mode = render_mode
-        self.observation_space = gymnasium.spaces.Text(max_length=1 << 16, charset=string.printable)
-        self.action_space = gymnasium.spaces.Text(min_length=0, max_length=1 << 16, charset=string.printable)
         self._conn: sqlite3.Connection | None = None
         self._conn_schema = ""
-        self._task: SQLTask | None = None
+        self._sql_task: SQLTask | None = None
         self._gold = QueryResult()
         self._last = QueryResult(error="no query has run yet")  # the last query that ran without error
-        self._turn = 0
-        self._done = False
-        self._last_obs = ""
 
     # ----- tasks -----
     def task_ids(self, split: str) -> list[str]:
@@ -396,34 +384,21 @@ class SQLTextEnv(gymnasium.Env):
                          "e.g. 'shop.count_city.0'")
 
     def _split(self, split: str) -> tuple[SQLTask, ...]:
-        if split not in SPLITS:
-            raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(map(repr, SPLITS))}")
+        check_split(split, SPLITS)
         return split_tasks(self.db_seed, self.cache_dir, self.per_template, self.eval_fraction, self.split_seed, split)
 
     # ----- episode -----
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-        """Starts ``options["task"]``, or a seed-chosen train task."""
-        super().reset(seed=seed)
-        task_id = (options or {}).get("task")
-        if task_id is None:
-            train = self._split("train")
-            self._task = train[int(self.np_random.integers(len(train)))]
-        else:
-            self._task = self.task(task_id)
+    def _start_episode(self, task: str) -> str:
+        """Runs ``task``'s gold query and shows the schema and the question."""
+        self._sql_task = self.task(task)
         conn = self._database()
-        self._gold = run_query(conn, self._task.gold_sql, time_limit_s=10.0, max_rows=self.max_rows_read)
+        self._gold = run_query(conn, self._sql_task.gold_sql, time_limit_s=10.0, max_rows=self.max_rows_read)
         self._last = QueryResult(error="no query has run yet")
-        self._turn, self._done = 0, False
-        self._last_obs = f"{INSTRUCTION}\nDatabase schema:\n{schema_text(conn)}\n\nQuestion: {self._task.question}"
-        return self._last_obs, self._info(success=False, valid_action=True)
+        return f"{INSTRUCTION}\nDatabase schema:\n{schema_text(conn)}\n\nQuestion: {self._sql_task.question}"
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Runs one query, or ends the episode on ``submit``; a bad reply costs the penalty, never raises."""
-        if self._task is None:
-            raise RuntimeError("step() called before reset(); call reset() first")
-        if self._done:
-            raise RuntimeError(f"episode on task {self._task.task_id!r} is over; call reset() before step()")
-        self._turn += 1
+        self._begin_turn()
         reply = parse_reply(action)
         terminated = success = False
         reward = 0.0
@@ -432,7 +407,7 @@ class SQLTextEnv(gymnasium.Env):
             obs = f"Invalid reply: it is empty. Reply with one SQL query, or {SUBMIT}."
         elif reply.lower().rstrip(";. ") == SUBMIT:
             valid, terminated = True, True
-            success = same_result(self._last, self._gold, ordered=self._task.ordered)
+            success = same_result(self._last, self._gold, ordered=self._sql_task.ordered)
             reward = 1.0 if success else 0.0
             obs = "Submitted: " + ("correct." if success else "the last result does not answer the question.")
         else:
@@ -443,14 +418,8 @@ class SQLTextEnv(gymnasium.Env):
             obs = render_result(result, max_rows=self.max_rows_shown)
         if not valid:
             reward = -self.invalid_action_penalty
-        truncated = not terminated and self._turn >= self.max_turns
-        self._done = terminated or truncated
-        self._last_obs = obs
+        truncated = self._end_turn(obs, terminated=terminated)
         return obs, reward, terminated, truncated, self._info(success=success, valid_action=valid)
-
-    def render(self) -> str:
-        """The current observation text ("" before the first reset)."""
-        return self._last_obs
 
     def close(self) -> None:
         """Closes the database connection (the next query reopens it)."""
@@ -465,25 +434,19 @@ class SQLTextEnv(gymnasium.Env):
         return state
 
     def _database(self) -> sqlite3.Connection:
-        assert self._task is not None
-        if self._conn is None or self._conn_schema != self._task.schema:
+        assert self._sql_task is not None
+        if self._conn is None or self._conn_schema != self._sql_task.schema:
             self.close()
-            self._conn = open_readonly(database_path(self._task.schema, self.db_seed, self.cache_dir))
-            self._conn_schema = self._task.schema
+            self._conn = open_readonly(database_path(self._sql_task.schema, self.db_seed, self.cache_dir))
+            self._conn_schema = self._sql_task.schema
         return self._conn
 
-    def _info(self, *, success: bool, valid_action: bool) -> dict[str, Any]:
-        assert self._task is not None
+    def _state_info(self) -> dict[str, Any]:
+        assert self._sql_task is not None
         if self._done:
             expert = None
-        elif same_result(self._last, self._gold, ordered=self._task.ordered):
+        elif same_result(self._last, self._gold, ordered=self._sql_task.ordered):
             expert = SUBMIT
         else:
-            expert = self._task.gold_sql
-        return {
-            "success": bool(success),
-            "valid_action": bool(valid_action),
-            "task": self._task.task_id,
-            "turn": self._turn,
-            "expert_action": expert,
-        }
+            expert = self._sql_task.gold_sql
+        return {"expert_action": expert}
