@@ -2,7 +2,9 @@
 
 See :mod:`opd.generation.base` for the contract and :mod:`opd.generation.hf` for the
 Hugging Face engine (the CPU default), :mod:`opd.generation.vllm_engine` for vLLM. Both also
-offer ``stream()``: continuous batching, where requests join and leave between decode steps.
+offer ``stream()``: continuous batching, where requests join and leave between decode steps
+(:mod:`opd.generation.hf_stream` on the HF engine, whose KV caches live in
+:mod:`opd.generation.kv_cache`).
 """
 
 from opd.generation.base import Completion, Engine, GenerationStream, SamplingParams, ScoreRequest
