@@ -84,8 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rich.console import Console
 
     from opd.cli import _quiet_libraries
-    from opd.config import load_config
-    from opd.rollout.references import build_references
+    from opd.cli import main as opd_main  # `opd references build`: a teacher source plays here
 
     _quiet_libraries()
     console = Console(highlight=False)
@@ -93,7 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"{out} is not empty: pass --out to a new directory")
     start = time.perf_counter()
-    build_references(load_config(args.recipe, ["algorithm=actfirst_opd", *args.overrides]), log=console.log)
+    if opd_main(["references", "build", args.recipe, "algorithm=actfirst_opd", *args.overrides]) != 0:
+        raise SystemExit("building the references failed (see above)")
     references_s = time.perf_counter() - start
     runs: dict[str, list[dict]] = {"vanilla_opd": [], "actfirst_opd": []}
     for k in range(args.rounds):

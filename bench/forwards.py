@@ -58,18 +58,18 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from omegaconf import OmegaConf
 
+    from opd import provisioning as bootstrap
     from opd.algorithms.actfirst_opd import build_episode_batch
-    from opd.algorithms.vanilla_opd import build_token_batch
+    from opd.algorithms.step import build_token_batch
     from opd.chat import ChatFormat, student_sequence
     from opd.cli import _quiet_libraries
     from opd.config import load_config
     from opd.envs import EnvFactory
     from opd.generation import make_engine, packed
     from opd.models import load_tokenizer
+    from opd.provisioning import resolve_model_path
     from opd.rollout.vanilla import EpisodeSettings, run_episodes
-    from opd.runtime.driver import resolve_model_path
     from opd.supervision.teacher_view import score_trajectories
-    from opd.training import bootstrap
     from opd.training.trainer import StudentTrainer
 
     _quiet_libraries()

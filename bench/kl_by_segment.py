@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     from opd.envs import EnvFactory
     from opd.rollout.vanilla import EpisodeSettings
     from opd.runtime.actors import RolloutWorker, TeacherWorker
-    from opd.runtime.driver import resolve_model_path
+    from opd.provisioning import resolve_model_path
     from opd.supervision.teacher_view import unpack_scores
 
     cfg = load_config(args.recipe, ["student.engine=hf", "teacher.engine=hf", *args.overrides])

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from opd.config import TinyArchConfig
+from opd.schema import TinyArchConfig
 from opd.generation.base import SamplingParams
 from opd.generation.hf import HFEngine
 from opd.generation.vllm_engine import VLLMEngine

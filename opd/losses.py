@@ -32,12 +32,29 @@ LossFn = Callable[[TokenBatch, Mapping[str, Any]], tuple[torch.Tensor, dict[str,
 _REGISTRY: dict[str, LossFn] = {}
 
 
-def register_loss(name: str) -> Callable[[LossFn], LossFn]:
-    """Register ``fn`` under ``name`` so a recipe can say ``name: <name>``."""
+def register_loss(name: str, *, needs_teacher: bool = False, token_mask: str | None = None,
+                  needs_reference: bool = False) -> Callable[[LossFn], LossFn]:
+    """Register ``fn`` under ``name`` so a recipe can say ``name: <name>``, with what it needs.
+
+    The traits are attributes of the function (:func:`loss_traits`), so a user's loss named by
+    dotted path declares them by setting the same attributes:
+
+    - ``needs_teacher``: it reads the teacher's grades; algorithms that do not consult the
+      teacher (``grpo``) refuse it.
+    - ``token_mask``: it trains on the tokens of that named mask (``TokenBatch.masks_BT``)
+      instead of ``loss_mask_BT``; only algorithms whose batches carry the mask accept it.
+    - ``needs_reference``: the trainer fills ``reference_logprobs_BT`` (a frozen copy of the
+      starting weights) for it.
+    """
 
     def decorate(fn: LossFn) -> LossFn:
         if name in _REGISTRY and _REGISTRY[name] is not fn:
             raise KeyError(f"a loss named {name!r} is already registered ({_REGISTRY[name].__module__})")
+        # Only what is declared here: traits a function already carries are kept.
+        for trait, value in (("needs_teacher", needs_teacher), ("token_mask", token_mask),
+                             ("needs_reference", needs_reference)):
+            if value:
+                setattr(fn, trait, value)
         _REGISTRY[name] = fn
         return fn
 
@@ -64,8 +81,15 @@ def resolve_loss(name: str) -> LossFn:
     return getattr(module, attr)
 
 
+def loss_traits(name: str) -> dict[str, Any]:
+    """What the loss ``name`` needs (see :func:`register_loss`): ``needs_teacher``,
+    ``token_mask`` and ``needs_reference``, absent attributes read as not needed."""
+    fn = resolve_loss(name)
+    return {"needs_teacher": bool(getattr(fn, "needs_teacher", False)), "token_mask": getattr(fn, "token_mask", None),
+            "needs_reference": bool(getattr(fn, "needs_reference", False))}
+
+
 NORMALISATIONS = ("token", "turn", "sequence")
-ESTIMATORS = ("auto", "sampled", "topk", "full")
 
 
 def masked_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
@@ -77,11 +101,9 @@ def masked_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
 
 # -- normalisation ---------------------------------------------------------------------------
 def token_weights_BT(batch: TokenBatch, cfg: Mapping[str, Any]) -> torch.Tensor:
-    """``[B, T]`` weight of each token: the loss mask, times the algorithm's ``weight_BT``, times
-    the recipe's ``turn_weights`` (``[w_0, w_1, ...]``; turn ``k`` gets ``w_min(k, len - 1)``)."""
+    """``[B, T]`` weight of each token: the loss mask times the recipe's ``turn_weights``
+    (``[w_0, w_1, ...]``; turn ``k`` gets ``w_min(k, len - 1)``)."""
     weight_BT = batch.loss_mask_BT.float()
-    if batch.weight_BT is not None:
-        weight_BT = weight_BT * batch.weight_BT
     turn_weights = cfg.get("turn_weights")
     if turn_weights:
         table_K = torch.tensor([float(w) for w in turn_weights], device=weight_BT.device)
@@ -221,7 +243,7 @@ def _ratio_metrics(batch: TokenBatch, ratio_BT: torch.Tensor, eps: float) -> dic
 # (token | turn | sequence) and ``turn_weights``.
 
 
-@register_loss("reverse_kl")
+@register_loss("reverse_kl", needs_teacher=True)
 def reverse_kl(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
     """Reverse KL ``KL(pi_S || pi_T)`` to the teacher at every response position.
 
@@ -264,7 +286,7 @@ def reverse_kl(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor,
     return loss, metrics
 
 
-@register_loss("forward_kl")
+@register_loss("forward_kl", needs_teacher=True)
 def forward_kl(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
     """Forward KL ``KL(pi_T || pi_S)`` at every response position, exact over the teacher's
     top-k plus tail (``scoring: topk``) or over the vocabulary (``scoring: full``).
@@ -281,7 +303,7 @@ def forward_kl(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor,
     return reduce_tokens(kl_BT, batch, cfg), {"forward_kl": float(masked_mean(kl_BT.detach(), batch.loss_mask_BT))}
 
 
-@register_loss("gjsd")
+@register_loss("gjsd", needs_teacher=True)
 def gjsd(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
     """Generalised Jensen-Shannon divergence of GKD (Agarwal et al., 2024), per position:
 
@@ -348,11 +370,11 @@ def ppo_clip(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, d
     return loss, {"advantage_mean": float(batch.advantage_B.float().mean()), **_ratio_metrics(batch, ratio_BT, eps)}
 
 
-@register_loss("pivot_preventive")
+@register_loss("pivot_preventive", needs_teacher=True, token_mask="pivot")
 def pivot_preventive(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
     """PivotOPD's preventive term: :func:`reverse_kl` to the teacher on the committed response
-    of each failed episode's pivotal turn only (``batch.pivot_mask_BT``), normalised over those
-    tokens. Where the teacher finds the mistaken action unlikely, its probability goes down.
+    of each failed episode's pivotal turn only (``batch.masks_BT["pivot"]``), normalised over
+    those tokens. Where the teacher finds the mistaken action unlikely, its probability goes down.
 
     Shapes and args as :func:`reverse_kl`. Metrics: ``reverse_kl`` and ``tokens`` (pivot tokens
     in this micro-batch).
@@ -364,12 +386,12 @@ def pivot_preventive(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.T
     return loss, {**metrics, "tokens": float(sub.loss_mask_BT.sum())}
 
 
-@register_loss("pivot_recovery")
+@register_loss("pivot_recovery", needs_teacher=True, token_mask="recovery")
 def pivot_recovery(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
     """PivotOPD's recovery term: :func:`forward_kl` from the hinted self-teacher's distribution
     (detached; its top-k plus tail in the ``teacher_topk_*`` fields of the recovery rows) to the
     student's hint-free distribution, on the self-teacher's responses
-    (``batch.recovery_mask_BT``). The hinted action's probability goes up without the hint.
+    (the ``recovery`` mask). The hinted action's probability goes up without the hint.
 
     Shapes as :func:`forward_kl` (``topk`` estimator). Args: ``normalize``, ``turn_weights``.
     Metrics: ``forward_kl`` and ``tokens`` (recovery tokens in this micro-batch).
@@ -391,7 +413,7 @@ def sft(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, dict[s
     return reduce_tokens(nll_BT, batch, cfg), {"nll": float(masked_mean(nll_BT.detach(), batch.loss_mask_BT))}
 
 
-@register_loss("reference_kl")
+@register_loss("reference_kl", needs_reference=True)
 def reference_kl(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
     """An anchor to the frozen starting student ``pi_ref`` on the sampled response tokens, next to
     a distillation loss: it keeps the policy near where training began on the states it visits
@@ -423,13 +445,10 @@ def reference_kl(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tenso
     return reduce_tokens(values_BT, batch, cfg), {"kl": float(masked_mean(k3_BT.detach(), mask_BT))}
 
 
-reference_kl.needs_reference = True
-
-
 def needs_reference(terms: list[tuple[str, float, Mapping[str, Any]]]) -> bool:
     """Whether any term's function sets ``needs_reference`` (the trainer then keeps a frozen copy
     of the starting weights and fills ``reference_logprobs_BT``)."""
-    return any(getattr(resolve_loss(name), "needs_reference", False) for name, _, _ in terms)
+    return any(loss_traits(name)["needs_reference"] for name, _, _ in terms)
 
 
 def combined_loss(batch: TokenBatch, terms: list[tuple[str, float, Mapping[str, Any]]]) -> tuple[torch.Tensor, dict[str, float]]:

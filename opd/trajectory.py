@@ -124,15 +124,12 @@ class TokenBatch:
             vocabulary (0 off the response tokens).
         advantage_B: float32 one advantage per sequence (e.g. GRPO's group-relative return,
             :func:`opd.losses.group_advantages`), for :func:`opd.losses.ppo_clip`.
-        weight_BT: float32 per-token weight set by an algorithm (e.g. pivotal turns); 1.0 if
-            ``None``.
         student_logprobs_BTV: float32 the student's log-softmax over the vocabulary, with
             gradient (set by the trainer with ``student_logprobs_BT``).
-        pivot_mask_BT: float32 PivotOPD: 1.0 on the response tokens of a failed episode's
-            pivotal turn (the committed mistake), for ``pivot_preventive``.
-        recovery_mask_BT: float32 PivotOPD: 1.0 on the self-teacher's response tokens in the
-            recovery rows (which have no ``loss_mask_BT`` tokens), for ``pivot_recovery``; the
-            ``teacher_topk_*`` fields of those rows hold the hinted self-teacher's top-k.
+        masks_BT: named float32 ``[B, T]`` token masks an algorithm adds beside ``loss_mask_BT``,
+            for losses that train on other tokens (:meth:`restricted_to`). PivotOPD's ``pivot``
+            (the response tokens of a failed episode's pivotal turn) and ``recovery`` (the
+            self-teacher's responses, in rows with no ``loss_mask_BT`` tokens) are two.
         reference_logprobs_BT: float32 logprobs of the tokens under the frozen starting student
             (the weights training began from), at the rollout temperature; set by the trainer
             when a loss needs them (``needs_reference``, e.g. ``reference_kl``).
@@ -160,10 +157,8 @@ class TokenBatch:
     teacher_tail_logprob_BT: torch.Tensor | None = None
     teacher_full_logprobs_BTV: torch.Tensor | None = None
     advantage_B: torch.Tensor | None = None
-    weight_BT: torch.Tensor | None = None
     student_logprobs_BTV: torch.Tensor | None = None
-    pivot_mask_BT: torch.Tensor | None = None
-    recovery_mask_BT: torch.Tensor | None = None
+    masks_BT: dict[str, torch.Tensor] | None = None
     reference_logprobs_BT: torch.Tensor | None = None
     position_ids_BT: torch.Tensor | None = None
     branch_ids_BT: torch.Tensor | None = None
@@ -173,8 +168,15 @@ class TokenBatch:
         return int(self.input_ids_BT.shape[0])
 
     def _map(self, fn) -> "TokenBatch":
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return TokenBatch(**{k: (fn(v) if isinstance(v, torch.Tensor) else v) for k, v in values.items()})
+        """``fn`` applied to every tensor, the named masks included."""
+        def apply(value):
+            if isinstance(value, torch.Tensor):
+                return fn(value)
+            if isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
+                return {k: fn(v) for k, v in value.items()}
+            return value
+
+        return TokenBatch(**{f.name: apply(getattr(self, f.name)) for f in fields(self)})
 
     def select(self, rows: slice) -> "TokenBatch":
         """The rows ``rows`` of every tensor (a micro-batch)."""
@@ -211,14 +213,13 @@ class TokenBatch:
     def with_totals(self, micro_batches: int = 1) -> "TokenBatch":
         """This batch with :attr:`totals` counted over it (call before splitting into micro-batches).
 
-        The counts of ``loss_mask_BT`` are ``tokens``, ``turns`` and ``sequences``; those of an
-        extra mask (``pivot_mask_BT``, ``recovery_mask_BT``) are prefixed ``pivot:`` /
-        ``recovery:`` (see :meth:`restricted_to`).
+        The counts of ``loss_mask_BT`` are ``tokens``, ``turns`` and ``sequences``; those of a
+        named mask (:attr:`masks_BT`) are prefixed with its name, e.g. ``pivot:tokens`` (see
+        :meth:`restricted_to`).
         """
         totals = {**self._counts(self.loss_mask_BT), "micro_batches": float(micro_batches)}
-        for prefix, mask_BT in (("pivot", self.pivot_mask_BT), ("recovery", self.recovery_mask_BT)):
-            if mask_BT is not None:
-                totals.update({f"{prefix}:{k}": v for k, v in self._counts(mask_BT).items()})
+        for name, mask_BT in (self.masks_BT or {}).items():
+            totals.update({f"{name}:{k}": v for k, v in self._counts(mask_BT).items()})
         return replace(self, totals=totals)
 
     def _counts(self, mask_BT: torch.Tensor) -> dict[str, float]:
@@ -230,11 +231,12 @@ class TokenBatch:
         }
 
     def restricted_to(self, name: str) -> "TokenBatch":
-        """The batch as a loss on the tokens of mask ``name`` (``pivot`` | ``recovery``) sees it:
-        that mask as ``loss_mask_BT``, normalised by that mask's whole-batch counts."""
-        mask_BT = getattr(self, f"{name}_mask_BT")
+        """The batch as a loss on the tokens of the named mask ``name`` sees it: that mask as
+        ``loss_mask_BT``, normalised by that mask's whole-batch counts."""
+        mask_BT = (self.masks_BT or {}).get(name)
         if mask_BT is None:
-            raise ValueError(f"the batch has no {name}_mask_BT; the '{name}' losses belong to algorithm: pivot_opd")
+            raise ValueError(f"the batch has no {name!r} token mask (it has {sorted(self.masks_BT or {})}); a loss "
+                             "on it needs an algorithm whose batches carry it (e.g. pivot_opd: pivot, recovery)")
         totals = None
         if self.totals is not None:
             totals = {k: self.totals[f"{name}:{k}"] for k in ("tokens", "turns", "sequences")}
@@ -243,30 +245,35 @@ class TokenBatch:
 
     @staticmethod
     def concat(batches: list["TokenBatch"], pad_id: int) -> "TokenBatch":
-        """The rows of ``batches`` in order, right-padded to the widest. A field one batch lacks
-        is filled as padding (``advantage_B`` with 0); ``totals`` are dropped (recount them)."""
+        """The rows of ``batches`` in order, right-padded to the widest. A field (or named mask)
+        one batch lacks is filled as padding (``advantage_B`` and masks with 0); ``totals`` are
+        dropped (recount them)."""
         width = max(int(b.input_ids_BT.shape[1]) for b in batches)
+
+        def stack(name: str, values: list[torch.Tensor | None]) -> torch.Tensor:
+            template = next(v for v in values if v is not None)
+            fill = pad_id if name == "input_ids_BT" else _FILL.get(name, 0)
+            parts = []
+            for b, v in zip(batches, values):
+                if name.endswith("_B"):
+                    parts.append(v if v is not None else torch.zeros(len(b), dtype=template.dtype))
+                    continue
+                part = torch.full((len(b), width, *template.shape[2:]), fill, dtype=template.dtype)
+                if v is not None:
+                    part[:, : v.shape[1]] = v
+                parts.append(part)
+            return torch.cat(parts)
+
         out = {}
         for f in fields(TokenBatch):
             values = [getattr(b, f.name) for b in batches]
             if f.name == "totals" or all(v is None for v in values):
                 out[f.name] = None
-                continue
-            template = next(v for v in values if v is not None)
-            fill = _FILL.get(f.name, 0)
-            if f.name == "input_ids_BT":
-                fill = pad_id
-            parts = []
-            for b, v in zip(batches, values):
-                if f.name.endswith("_B"):
-                    parts.append(v if v is not None else torch.zeros(len(b), dtype=template.dtype))
-                    continue
-                shape = (len(b), width, *template.shape[2:])
-                part = torch.full(shape, fill, dtype=template.dtype)
-                if v is not None:
-                    part[:, : v.shape[1]] = v
-                parts.append(part)
-            out[f.name] = torch.cat(parts)
+            elif f.name == "masks_BT":
+                names = list(dict.fromkeys(n for v in values for n in (v or {})))
+                out[f.name] = {n: stack(f.name, [(v or {}).get(n) for v in values]) for n in names}
+            else:
+                out[f.name] = stack(f.name, values)
         return TokenBatch(**out)
 
     @staticmethod

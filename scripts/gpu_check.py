@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from opd.algorithms.vanilla_opd import build_token_batch
+from opd.algorithms.step import build_token_batch
 from opd.chat import ChatFormat
-from opd.config import TinyArchConfig, TrainerConfig
+from opd.schema import TinyArchConfig, TrainerConfig
 from opd.envs import EnvFactory
 from opd.generation.hf import HFEngine
 from opd.models import save_model, tiny_qwen3, train_chat_tokenizer

@@ -13,7 +13,7 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from opd.config import TinyArchConfig  # noqa: E402
+from opd.schema import TinyArchConfig  # noqa: E402
 
 
 @pytest.fixture(scope="session")

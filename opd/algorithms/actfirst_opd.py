@@ -27,20 +27,14 @@ changes nothing in the gradient but the cost.
 
 from __future__ import annotations
 
-import time
-from dataclasses import replace
-from typing import Any
-
-import ray
-import torch
-
-from opd.algorithms.vanilla_opd import episode_metrics, sample_tasks
+from opd.algorithms.base import Algorithm, PolicyHost, RunContext
+from opd.algorithms.step import (StepClock, episode_metrics, step_tasks, teacher_metrics, train_and_sync,
+                                 with_group_advantages, with_reverse_kl_headline)
 from opd.generation.base import TokenScores
-from opd.losses import group_advantages
-from opd.rollout.actfirst import ActFirstSettings, TransitionCheck, collect_actfirst
+from opd.rollout.actfirst import ActFirstSettings, ActFirstStats, TransitionCheck, run_actfirst_episodes
 from opd.rollout.references import load_references
-from opd.runtime.actors import sync_weights
-from opd.supervision.teacher_view import packed_row
+from opd.schema import ConfigError, OPDConfig
+from opd.supervision.teacher_view import packed_row, with_teacher_scores
 from opd.trajectory import TokenBatch, Trajectory
 
 
@@ -62,38 +56,19 @@ def build_episode_batch(trajs: list[Trajectory], scores: list[TokenScores], pad_
         >>> len(batch) == len(trajs)  # doctest: +SKIP
         True
     """
-    rows, targets = [], []
-    for traj, score in zip(trajs, scores):
+    rows, positions = [], []
+    for traj in trajs:
         row, index = packed_row(traj, fmt)
-        row["teacher_logprobs"] = [0.0] * len(row["input_ids"])
         behaviour = [lp for turn in traj.turns for lp in turn.response_logprobs]
         for k, i in enumerate(index):
             row["behaviour_logprobs"][i] = behaviour[k]
-            row["teacher_logprobs"][i] = score.logprobs[k]
         rows.append(row)
-        targets.append(torch.tensor(index, dtype=torch.long))
-    batch = TokenBatch.from_rows(rows, pad_id)
-    B, T = batch.input_ids_BT.shape
-    if scores and scores[0].topk_ids is not None:
-        K = scores[0].topk_ids.shape[1]
-        ids_BTK = torch.zeros(B, T, K, dtype=torch.long)
-        logp_BTK = torch.full((B, T, K), float("-inf"))
-        tail_BT = torch.zeros(B, T)
-        for r, (score, index) in enumerate(zip(scores, targets)):
-            ids_BTK[r, index] = score.topk_ids
-            logp_BTK[r, index] = score.topk_logprobs
-            tail_BT[r, index] = score.tail_logprob
-        batch = replace(batch, teacher_topk_ids_BTK=ids_BTK, teacher_topk_logprobs_BTK=logp_BTK, teacher_tail_logprob_BT=tail_BT)
-    if scores and scores[0].full_logprobs is not None:
-        full_BTV = torch.zeros(B, T, scores[0].full_logprobs.shape[1])
-        for r, (score, index) in enumerate(zip(scores, targets)):
-            full_BTV[r, index] = score.full_logprobs
-        batch = replace(batch, teacher_full_logprobs_BTV=full_BTV)
-    rewards = torch.tensor([traj.total_reward for traj in trajs])
-    return replace(batch, advantage_B=group_advantages(rewards, torch.arange(len(trajs)) // max(1, group_size)))
+        positions.append(index)
+    batch = with_teacher_scores(TokenBatch.from_rows(rows, pad_id), positions, scores)
+    return with_group_advantages(batch, trajs, group_size)
 
 
-def actfirst_settings(ctx: Any) -> ActFirstSettings:
+def actfirst_settings(ctx: RunContext) -> ActFirstSettings:
     """The rollout settings of ``ctx``'s recipe (training sampling, the ``actfirst`` section)."""
     cfg = ctx.cfg
     return ActFirstSettings(episode=ctx.train_settings, inverse_dynamics=bool(cfg.actfirst.inverse_dynamics),
@@ -102,44 +77,54 @@ def actfirst_settings(ctx: Any) -> ActFirstSettings:
                             decode_during_env_steps=bool(cfg.actfirst.decode_during_env_steps))
 
 
-def train_step(ctx: Any, step: int) -> dict[str, float]:
-    """Run one ActFirst-OPD step; ``ctx`` is the driver's :class:`opd.runtime.driver.RunContext`."""
+def collect_actfirst(worker: PolicyHost, env_factory, tasks: list[str], references: dict | None,
+                     settings: ActFirstSettings, seed: int) -> tuple[list[Trajectory], ActFirstStats, dict[str, float]]:
+    """In the rollout worker (``ctx.workers.run("student", collect_actfirst, ...)``):
+    :func:`opd.rollout.actfirst.run_actfirst_episodes` with the worker's engine and environment
+    pool; also returns ``env_restarts``."""
+    envs = worker.envs(env_factory, settings.episode)
+    restarts_before = envs.restarts if envs is not None else 0
+    trajs, stats = run_actfirst_episodes(worker.engine, env_factory, tasks, references, worker.tokenizer, worker.fmt,
+                                         settings, seed, envs=envs)
+    restarts = (envs.restarts - restarts_before) if envs is not None else 0
+    return trajs, stats, {"env_restarts": float(restarts)}
+
+
+def train_step(ctx: RunContext, step: int) -> dict[str, float]:
+    """Run one ActFirst-OPD step."""
     from rich.console import Console
 
-    cfg, workers = ctx.cfg, ctx.workers
-    start = time.perf_counter()
-    tasks = sample_tasks(ctx.train_tasks, cfg.rollout.episodes_per_step, cfg.run.seed, step, cfg.rollout.group_size)
+    cfg = ctx.cfg
+    clock = StepClock()
+    tasks, seed = step_tasks(ctx, step)
     references = None
     if cfg.actfirst.inverse_dynamics:
-        teacher_play = lambda part: ray.get(workers.teacher.collect.remote(  # noqa: E731
-            ctx.env_factory, part, ctx.eval_settings, cfg.run.seed))[0]
+        teacher_play = lambda part: ctx.workers.collect(  # noqa: E731
+            "teacher", ctx.env_factory, part, ctx.eval_settings, cfg.run.seed)[0]
         references = load_references(cfg, Console(stderr=True).log, tasks, teacher_play)
-    t_refs = time.perf_counter()
-    trajs, stats, extra = ray.get(workers.rollout.run.remote(
-        collect_actfirst, ctx.env_factory, tasks, references, actfirst_settings(ctx), cfg.run.seed * 100003 + step))
-    t_gen = time.perf_counter()
-    scores = ray.get(workers.teacher.score.remote(trajs, cfg.supervision))
-    t_score = time.perf_counter()
+    clock.lap("references")
+    trajs, stats, extra = ctx.workers.run("student", collect_actfirst, ctx.env_factory, tasks, references,
+                                          actfirst_settings(ctx), seed)
+    clock.lap("generation")
+    scores = ctx.workers.score(trajs, cfg.supervision)
+    clock.lap("teacher_scoring")
     batch = build_episode_batch(trajs, scores, ctx.fmt.pad_id, ctx.fmt, cfg.rollout.group_size)
-    train_metrics = ray.get(workers.trainer.train_step.remote(batch))
-    t_train = time.perf_counter()
-    sync = sync_weights(workers)
-    end = time.perf_counter()
-    metrics = {k: v for k, v in train_metrics.items() if not k.startswith("time/")}
+    metrics = train_and_sync(ctx, batch, clock)
     metrics.update(stats.metrics())
     metrics.update(episode_metrics(trajs, {**extra, "generated_tokens": float(stats.fast_tokens + stats.full_tokens),
                                            "generation_s": stats.generation_s}))
-    metrics.update({
-        "teacher_payload_mb": sum(s.nbytes() for s in scores) / 2**20,
-        "teacher_logprob_per_token": sum(sum(s.logprobs) for s in scores) / max(stats.full_tokens, 1),
-        "time/references_s": t_refs - start,
-        "time/generation_s": t_gen - t_refs,
-        "time/teacher_scoring_s": t_score - t_gen,
-        "time/training_s": t_train - t_score,
-        "time/weight_sync_s": sync["weight_sync_s"],
-        "time/step_s": end - start,
-    })
-    reverse_kl = [v for k, v in metrics.items() if k.endswith("/reverse_kl")]
-    if reverse_kl:
-        metrics["reverse_kl_per_token"] = reverse_kl[0]
-    return metrics
+    metrics.update(teacher_metrics(scores))
+    metrics["teacher_logprob_per_token"] = sum(sum(s.logprobs) for s in scores) / max(stats.full_tokens, 1)
+    return clock.finish(with_reverse_kl_headline(metrics))
+
+
+def check_config(cfg: OPDConfig, source: str) -> None:
+    if cfg.supervision.teacher_view != "state_grounded" or cfg.supervision.cross_tokenizer:
+        raise ConfigError(f"{source}: algorithm 'actfirst_opd' needs 'supervision.teacher_view: state_grounded' without "
+                          "cross_tokenizer: its full responses were sampled from the state-grounded context (the "
+                          "executed fast actions), so that is the only view that grades them in-distribution.")
+
+
+# Evaluated as it trains its full responses: think-then-act after contexts of actions and
+# observations only (no reference).
+ALGORITHM = Algorithm("actfirst_opd", train_step, check_config, eval_history="state_grounded")

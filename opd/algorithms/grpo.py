@@ -14,34 +14,25 @@ One step, top to bottom:
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
-import ray
-
-from opd.algorithms.vanilla_opd import build_token_batch, episode_metrics, sample_tasks
-from opd.runtime.actors import sync_weights
+from opd.algorithms.base import Algorithm, RunContext, require_groups
+from opd.algorithms.step import StepClock, build_token_batch, episode_metrics, step_tasks, train_and_sync
+from opd.schema import OPDConfig
 
 
-def train_step(ctx: Any, step: int) -> dict[str, float]:
-    """Run one GRPO step; ``ctx`` is the driver's :class:`opd.runtime.driver.RunContext`."""
-    cfg, workers = ctx.cfg, ctx.workers
-    start = time.perf_counter()
-    tasks = sample_tasks(ctx.train_tasks, cfg.rollout.episodes_per_step, cfg.run.seed, step, cfg.rollout.group_size)
-    trajs, gen = ray.get(workers.rollout.collect.remote(ctx.env_factory, tasks, ctx.train_settings, cfg.run.seed * 100003 + step))
-    t_gen = time.perf_counter()
-    batch = build_token_batch(trajs, None, ctx.fmt.pad_id, ctx.fmt, cfg.rollout.group_size)
-    train_metrics = ray.get(workers.trainer.train_step.remote(batch))
-    t_train = time.perf_counter()
-    sync = sync_weights(workers)
-    end = time.perf_counter()
-    metrics = {k: v for k, v in train_metrics.items() if not k.startswith("time/")}
+def train_step(ctx: RunContext, step: int) -> dict[str, float]:
+    """Run one GRPO step."""
+    clock = StepClock()
+    tasks, seed = step_tasks(ctx, step)
+    trajs, gen = ctx.workers.collect("student", ctx.env_factory, tasks, ctx.train_settings, seed)
+    clock.lap("generation")
+    batch = build_token_batch(trajs, None, ctx.fmt.pad_id, ctx.fmt, ctx.cfg.rollout.group_size)
+    metrics = train_and_sync(ctx, batch, clock)
     metrics.update(episode_metrics(trajs, gen))
-    metrics.update({
-        "time/generation_s": t_gen - start,
-        "time/teacher_scoring_s": 0.0,
-        "time/training_s": t_train - t_gen,
-        "time/weight_sync_s": sync["weight_sync_s"],
-        "time/step_s": end - start,
-    })
-    return metrics
+    return clock.finish(metrics)
+
+
+def check_config(cfg: OPDConfig, source: str) -> None:
+    require_groups(cfg, source, "grpo")
+
+
+ALGORITHM = Algorithm("grpo", train_step, check_config, uses_teacher=False)

@@ -36,17 +36,15 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from dataclasses import dataclass, replace
-from typing import Any
 
-import ray
 import torch
 
-from opd.algorithms.vanilla_opd import build_token_batch, episode_metrics, sample_tasks
+from opd.algorithms.base import Algorithm, PolicyHost, RunContext, require_groups
+from opd.algorithms.step import StepClock, build_token_batch, episode_metrics, step_tasks, train_and_sync
 from opd.chat import next_prompt_ids, render_context
 from opd.generation.base import SamplingParams, ScoreRequest, TokenScores
-from opd.runtime.actors import sync_weights
+from opd.schema import ConfigError, OPDConfig
 from opd.supervision.pivot import (Judgement, PivotStats, hint_text, judge_prompt_ids, parse_judgement,
                                    pivot_by_expert, pivot_by_max_kl, pivot_by_min_logprob)
 from opd.trajectory import TokenBatch, Trajectory
@@ -93,7 +91,7 @@ def heuristic_pivot(finder: str, traj: Trajectory, teacher_logprobs: list[float]
     return pivot_by_min_logprob(action_lp) if finder == "teacher_logprob" else pivot_by_max_kl(kl)
 
 
-def judge_episodes(worker, trajs: list[Trajectory], recovery_turns: int, max_new_tokens: int) -> list[str]:
+def judge_episodes(worker: PolicyHost, trajs: list[Trajectory], recovery_turns: int, max_new_tokens: int) -> list[str]:
     """In the teacher's worker: the teacher's greedy judgement of each failed episode, as text."""
     prompts = [judge_prompt_ids(worker.fmt, worker.tokenizer, t.initial_observation,
                                 [(turn.action_text, turn.observation) for turn in t.turns], recovery_turns)
@@ -102,7 +100,7 @@ def judge_episodes(worker, trajs: list[Trajectory], recovery_turns: int, max_new
     return [worker.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in worker.engine.generate(prompts, params)]
 
 
-def greedy_actions(worker, contexts: list[list[int]], max_new_tokens: int) -> list[str]:
+def greedy_actions(worker: PolicyHost, contexts: list[list[int]], max_new_tokens: int) -> list[str]:
     """In a worker: the greedy action of its model after each context (ids)."""
     if not contexts:
         return []
@@ -114,7 +112,7 @@ def greedy_actions(worker, contexts: list[list[int]], max_new_tokens: int) -> li
     return out
 
 
-def find_pivots(ctx: Any, trajs: list[Trajectory], scores: list[TokenScores],
+def find_pivots(ctx: RunContext, trajs: list[Trajectory], scores: list[TokenScores],
                 need_hints: bool = True) -> tuple[dict[int, Judgement], PivotStats]:
     """A :class:`Judgement` for each failed episode where a pivot was found, keyed by index.
     Without ``need_hints`` (no recovery term) the heuristics name no gold or recovery actions."""
@@ -124,7 +122,7 @@ def find_pivots(ctx: Any, trajs: list[Trajectory], scores: list[TokenScores],
     stats = PivotStats()
     judged: dict[int, Judgement | None] = {}
     if cfg.finder == "judge" and failed:
-        texts = ray.get(ctx.workers.teacher.run.remote(judge_episodes, [trajs[i] for i in failed], k, cfg.judge_max_new_tokens))
+        texts = ctx.workers.run("teacher", judge_episodes, [trajs[i] for i in failed], k, cfg.judge_max_new_tokens)
         judged = {i: parse_judgement(text, len(trajs[i].turns), k) for i, text in zip(failed, texts)}
     pivots: dict[int, int] = {}
     for i in failed:
@@ -146,7 +144,7 @@ def find_pivots(ctx: Any, trajs: list[Trajectory], scores: list[TokenScores],
         actions = [trajs[i].state_infos()[j].get("expert_action") or "" for i, j in todo]
     else:
         contexts = [render_context(trajs[i], j, "state_grounded", ctx.fmt) for i, j in todo]
-        actions = ray.get(ctx.workers.teacher.run.remote(greedy_actions, contexts, ctx.cfg.rollout.max_new_tokens))
+        actions = ctx.workers.run("teacher", greedy_actions, contexts, ctx.cfg.rollout.max_new_tokens)
     named: dict[int, list[str]] = {}
     for (i, _), action in zip(todo, actions):
         named.setdefault(i, []).append(action)
@@ -163,7 +161,7 @@ def find_pivots(ctx: Any, trajs: list[Trajectory], scores: list[TokenScores],
 
 
 # -- the self-teacher ---------------------------------------------------------------------------
-def self_teacher(worker, requests: list[tuple[Trajectory, int, str]], max_new_tokens: int, temperature: float,
+def self_teacher(worker: PolicyHost, requests: list[tuple[Trajectory, int, str]], max_new_tokens: int, temperature: float,
                  top_k: int, seed: int) -> list[RecoverySample]:
     """In the rollout worker: for each (trajectory, turn, hint) the student's response with the
     hint in context, and its top-k distribution over that response (hint still in context)."""
@@ -194,7 +192,7 @@ def self_teacher(worker, requests: list[tuple[Trajectory, int, str]], max_new_to
 
 def recovery_rows(samples: list[RecoverySample], pad_id: int) -> TokenBatch:
     """One row per self-teacher response: no ``loss_mask_BT`` tokens (PPO and the teacher's terms
-    skip it), ``recovery_mask_BT`` on the response and the self-teacher's top-k there."""
+    skip it), the ``recovery`` mask on the response and the self-teacher's top-k there."""
     rows = []
     for s in samples:
         m, n = len(s.context_ids), len(s.response_ids)
@@ -209,7 +207,7 @@ def recovery_rows(samples: list[RecoverySample], pad_id: int) -> TokenBatch:
         span = slice(len(s.context_ids), len(s.context_ids) + len(s.response_ids))
         mask_BT[b, span] = 1.0
         ids_BTK[b, span], logp_BTK[b, span], tail_BT[b, span] = s.scores.topk_ids, s.scores.topk_logprobs, s.scores.tail_logprob
-    return replace(batch, recovery_mask_BT=mask_BT, teacher_topk_ids_BTK=ids_BTK, teacher_topk_logprobs_BTK=logp_BTK,
+    return replace(batch, masks_BT={"recovery": mask_BT}, teacher_topk_ids_BTK=ids_BTK, teacher_topk_logprobs_BTK=logp_BTK,
                    teacher_tail_logprob_BT=tail_BT)
 
 
@@ -222,19 +220,18 @@ def pivot_mask(batch: TokenBatch, judgements: dict[int, Judgement]) -> torch.Ten
 
 
 # -- the step ------------------------------------------------------------------------------------
-def train_step(ctx: Any, step: int) -> dict[str, float]:
-    """Run one PivotOPD step; ``ctx`` is the driver's :class:`opd.runtime.driver.RunContext`."""
-    cfg, workers = ctx.cfg, ctx.workers
-    start = time.perf_counter()
-    tasks = sample_tasks(ctx.train_tasks, cfg.rollout.episodes_per_step, cfg.run.seed, step, cfg.rollout.group_size)
-    seed = cfg.run.seed * 100003 + step
-    trajs, gen = ray.get(workers.rollout.collect.remote(ctx.env_factory, tasks, ctx.train_settings, seed))
-    t_gen = time.perf_counter()
-    scores = ray.get(workers.teacher.score.remote(trajs, cfg.supervision))
-    t_score = time.perf_counter()
+def train_step(ctx: RunContext, step: int) -> dict[str, float]:
+    """Run one PivotOPD step."""
+    cfg = ctx.cfg
+    clock = StepClock()
+    tasks, seed = step_tasks(ctx, step)
+    trajs, gen = ctx.workers.collect("student", ctx.env_factory, tasks, ctx.train_settings, seed)
+    clock.lap("generation")
+    scores = ctx.workers.score(trajs, cfg.supervision)
+    clock.lap("teacher_scoring")
     recovery = any(loss.name == "pivot_recovery" for loss in cfg.losses)
     judgements, stats = find_pivots(ctx, trajs, scores, need_hints=recovery)
-    t_pivot = time.perf_counter()
+    clock.lap("pivot_finding")
 
     requests = []
     if recovery:
@@ -242,22 +239,16 @@ def train_step(ctx: Any, step: int) -> dict[str, float]:
             for offset, action in enumerate(jd.recovery_actions[: cfg.pivot.recovery_turns], start=1):
                 if jd.pivot_turn + offset < len(trajs[i].turns):
                     requests.append((trajs[i], jd.pivot_turn + offset, hint_text(jd.pivot_turn, jd.gold_action, action)))
-    samples = ray.get(workers.rollout.run.remote(self_teacher, requests, cfg.rollout.max_new_tokens, cfg.rollout.temperature,
-                                                 cfg.pivot.hint_top_k, seed))
-    t_self = time.perf_counter()
+    samples = ctx.workers.run("student", self_teacher, requests, cfg.rollout.max_new_tokens, cfg.rollout.temperature,
+                              cfg.pivot.hint_top_k, seed)
+    clock.lap("self_teacher")
 
     batch = build_token_batch(trajs, scores, ctx.fmt.pad_id, ctx.fmt, cfg.rollout.group_size)
-    batch = replace(batch, pivot_mask_BT=pivot_mask(batch, judgements))
+    masks = {"pivot": pivot_mask(batch, judgements), "recovery": torch.zeros_like(batch.loss_mask_BT)}
+    batch = replace(batch, masks_BT=masks)
     if samples:
         batch = TokenBatch.concat([batch, recovery_rows(samples, ctx.fmt.pad_id)], ctx.fmt.pad_id)
-    else:
-        batch = replace(batch, recovery_mask_BT=torch.zeros_like(batch.loss_mask_BT))
-    train_metrics = ray.get(workers.trainer.train_step.remote(batch))
-    t_train = time.perf_counter()
-    sync = sync_weights(workers)
-    end = time.perf_counter()
-
-    metrics = {k: v for k, v in train_metrics.items() if not k.startswith("time/")}
+    metrics = train_and_sync(ctx, batch, clock)
     metrics.update(episode_metrics(trajs, gen))
     metrics.update(stats.as_metrics())
     metrics.update({
@@ -265,13 +256,15 @@ def train_step(ctx: Any, step: int) -> dict[str, float]:
         "pivot/judged": float(stats.judged),
         "pivot/recovery_rows": float(len(samples)),
         "pivot/hint_followed": sum(s.followed_hint for s in samples) / max(len(samples), 1),
-        "time/generation_s": t_gen - start,
-        "time/teacher_scoring_s": t_score - t_gen,
-        "time/pivot_finding_s": t_pivot - t_score,
-        "time/self_teacher_s": t_self - t_pivot,
-        "time/training_s": t_train - t_self,
-        "time/weight_sync_s": sync["weight_sync_s"],
-        "time/step_s": end - start,
     })
-    return metrics
+    return clock.finish(metrics)
 
+
+def check_config(cfg: OPDConfig, source: str) -> None:
+    require_groups(cfg, source, "pivot_opd")
+    if cfg.supervision.scoring != "sampled" or cfg.supervision.cross_tokenizer:
+        raise ConfigError(f"{source}: algorithm 'pivot_opd' needs 'supervision.scoring: sampled' without "
+                          "cross_tokenizer (the top-k fields carry the self-teacher's recovery targets).")
+
+
+ALGORITHM = Algorithm("pivot_opd", train_step, check_config, masks=("pivot", "recovery"))

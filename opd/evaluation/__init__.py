@@ -1,1 +1,2 @@
-"""Evaluation: success on held-out tasks, run reports and plots."""
+"""Evaluation: success on held-out tasks (:mod:`opd.evaluation.heldout`), run reports, progress
+and plots (:mod:`opd.evaluation.report`)."""

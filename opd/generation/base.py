@@ -18,13 +18,13 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from collections.abc import Hashable
 from typing import Protocol
 
 import torch
 
-from opd.config import SCORING_MODES
+from opd.schema import SCORING_MODES
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,6 @@ class ScoreRequest:
     branch_ids: list[int]
     target_index: list[int]
     source_index: list[int]
-    meta: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -30,7 +30,7 @@ One thread, one stream: a fast turn adds its action-only requests to the same st
 steps it until they have all finished; every one of those steps also advances every full
 request in flight. On a small model or a GPU a decode step over a hundred rows costs little
 more than over ten, so the full responses ride along nearly free, and the critical path is
-the fast turns alone (:class:`opd.generation.hf.HFStream` on the HF engine, vLLM's own
+the fast turns alone (:class:`opd.generation.hf_stream.HFStream` on the HF engine, vLLM's own
 scheduler on vLLM). The order of ``add`` and ``step`` calls depends on nothing but the
 episodes, so a rollout is reproducible.
 
@@ -42,19 +42,18 @@ Example:
 
 from __future__ import annotations
 
-import importlib
 import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from opd.chat import ChatFormat, action_only_prompt_ids, standard_prompt_ids
-from opd.generation.base import Completion, SamplingParams
+from opd.envs import env_class
+from opd.generation.base import Completion, GenerationStream, SamplingParams
 from opd.rollout.env_pool import EnvFailure, InProcessEnvs
 from opd.rollout.vanilla import EpisodeSettings, kept_info, mark_env_error
 from opd.trajectory import Trajectory, Turn
 
-MODES = ("reference", "autonomous")
 
 
 # ----- transition check ---------------------------------------------------------------------
@@ -75,19 +74,7 @@ def env_comparator(env_id: str, module: str = ""):
     Raises:
         ValueError: naming ``actfirst.transition_check`` when the class defines none.
     """
-    import gymnasium
-
-    from opd.envs import ensure_registered
-
-    if module:
-        importlib.import_module(module)
-    ensure_registered()
-    if env_id not in gymnasium.registry:
-        raise ValueError(f"unknown environment {env_id!r} (key 'env.id')")
-    entry = gymnasium.registry[env_id].entry_point
-    if isinstance(entry, str):
-        module_name, _, attr = entry.partition(":")
-        entry = getattr(importlib.import_module(module_name), attr)
+    entry = env_class(env_id, module)
     comparator = getattr(entry, "transition_matches", None)
     if not callable(comparator):
         raise ValueError(
@@ -240,8 +227,217 @@ class _Episode:
     reference: Any  # opd.rollout.references.Reference | None
     history: list[int] = field(default_factory=list)  # c_t without its last (observation) prompt
     context: list[int] = field(default_factory=list)  # c_t
+    prompt: list[int] = field(default_factory=list)  # turn t's standard prompt, as the trajectory keeps it
     observation: str = ""
     aligned: bool = False
+
+
+class _ActFirstRollout:
+    """One rollout's state: its episodes, the stream and what the rollout measures.
+
+    Every request goes through :meth:`_add`, whose seed is the number of requests added before
+    it, and every decode step through :meth:`_step`, which files the full responses that finish.
+    """
+
+    def __init__(self, engine, tasks: list[str], references: dict[str, Any] | None, tokenizer, fmt: ChatFormat,
+                 settings: ActFirstSettings, seed: int):
+        self.tokenizer, self.fmt, self.settings = tokenizer, fmt, settings
+        self.matches_reference = settings.check.resolve()
+        self.stream: GenerationStream = engine.stream(seed * 1009 + 500009)
+        self.requests = 0  # added so far: the next request's seed
+        self.step_s = 0.0  # the last stream step's duration
+        self.overlap_steps = 0
+        self.full_results: dict[tuple[int, int], Completion] = {}  # keyed by (episode, turn)
+        self.full_queued_at: dict[tuple[int, int], float] = {}
+        self.full_finished_at: dict[tuple[int, int], float] = {}
+        self.full_latencies: list[float] = []
+        self.full_tokens = 0
+        self.fast_latencies: list[float] = []
+        self.fast_tokens = 0
+        n = len(tasks)
+        self.episodes = [_Episode(Trajectory(task=task),
+                                  (references or {}).get(task) if settings.inverse_dynamics else None)
+                         for task in tasks]
+        self.modes: list[list[str]] = [[] for _ in tasks]
+        self.matches: list[list[bool | None]] = [[] for _ in tasks]
+        self.first_deviation: list[int | None] = [None] * n
+        self.ended_at = [float("nan")] * n
+
+    # ----- the stream
+    def _add(self, key, prompt_ids: list[int], max_new_tokens: int) -> None:
+        # Every request its own seed (vLLM seeds per request; the HF stream ignores it).
+        self.stream.add(key, prompt_ids, SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=self.settings.episode.temperature,
+            stop_token_ids=(self.fmt.im_end_id,), seed=self.requests))
+        self.requests += 1
+
+    def _add_full(self, i: int, t: int) -> None:
+        """Turn t's full think-then-act request, from episode i's context c_t."""
+        self.full_queued_at[(i, t)] = time.perf_counter()
+        self._add(("full", i, t), self.episodes[i].context, self.settings.episode.max_new_tokens)
+
+    def _step(self) -> list[tuple[Any, Completion]]:
+        """One stream step; full responses are filed, fast ones returned."""
+        fast = []
+        began = time.perf_counter()
+        finished = self.stream.step()
+        ended = time.perf_counter()
+        self.step_s = ended - began
+        for key, completion in finished:
+            if key[0] == "full":
+                self.full_results[key[1:]] = completion
+                self.full_finished_at[key[1:]] = ended
+                self.full_latencies.append(ended - self.full_queued_at[key[1:]])
+            else:
+                fast.append((key, completion))
+        return fast
+
+    def decode_while_envs_step(self) -> bool:
+        """One stream step while the environments compute; ``False`` once nothing is in flight.
+        Every fast request has finished by then, so only full responses advance."""
+        if not self.stream:
+            return False
+        fast = self._step()
+        assert not fast, "a fast request was in flight during the environment steps"
+        self.overlap_steps += 1
+        return True
+
+    def drain(self) -> None:
+        """Steps the stream until the full responses still in flight have finished."""
+        while self.stream:
+            self._step()
+
+    # ----- the episodes
+    def _end(self, i: int) -> None:
+        self.ended_at[i] = time.perf_counter()
+
+    def reset(self, envs, seed: int) -> list[int]:
+        """Resets every environment and adds each turn 0's full request; returns the live episodes."""
+        live = []
+        for i, result in enumerate(envs.reset_many([(i, e.traj.task, seed) for i, e in enumerate(self.episodes)])):
+            e = self.episodes[i]
+            if isinstance(result, EnvFailure):
+                mark_env_error(e.traj, result)
+                self._end(i)
+                continue
+            e.observation = result[0]
+            e.traj.initial_observation, e.traj.initial_info = result[0], kept_info(result[1])
+            e.prompt = standard_prompt_ids(self.fmt, self.tokenizer, e.observation, self.settings.episode.system_prompt,
+                                           first=True)
+            e.context = list(e.prompt)
+            # c_0's history is the system prompt alone: a fast prompt replaces the observation's message.
+            e.history = e.context[: len(e.context) - len(standard_prompt_ids(self.fmt, self.tokenizer, e.observation))]
+            e.aligned = e.reference is not None and len(e.reference.actions) > 0
+            self._add_full(i, 0)
+            live.append(i)
+        return live
+
+    def _fast_prompt(self, e: _Episode) -> tuple[str, list[int]]:
+        """Turn t's mode and action-only prompt: with o_ref(t+1) while the episode is aligned."""
+        t = len(e.traj.turns)
+        reference_next = e.reference.observations[t] if e.aligned and t < len(e.reference.observations) else None
+        mode = "reference" if reference_next is not None else "autonomous"
+        return mode, e.history + action_only_prompt_ids(self.fmt, self.tokenizer, e.observation, reference_next)
+
+    def fast_turn(self, live: list[int]) -> list[tuple[int, str]]:
+        """Adds turn t's action-only request of every live episode and steps the stream until all
+        have finished (the full requests in flight advance in the same steps). Appends turn t to
+        each trajectory and returns the actions for the environments to execute."""
+        called = time.perf_counter()
+        modes = []
+        for i in live:
+            mode, prompt = self._fast_prompt(self.episodes[i])
+            modes.append(mode)
+            self._add(("fast", i), prompt, self.settings.action_max_new_tokens)
+        done: dict[int, Completion] = {}
+        while len(done) < len(live):
+            done.update((key[1], completion) for key, completion in self._step())
+        self.fast_latencies.append(time.perf_counter() - called)
+        actions = []
+        for i, mode in zip(live, modes):
+            fast = done[i].response_ids
+            self.fast_tokens += len(fast)
+            a_start, a_end = self.fmt.action_span(fast)
+            action_ids = list(fast[a_start:a_end])
+            turn = Turn(prompt_ids=list(self.episodes[i].prompt), response_ids=[], response_logprobs=[],
+                        action_text=self.tokenizer.decode(action_ids, skip_special_tokens=True),
+                        executed_action_ids=action_ids)
+            self.episodes[i].traj.turns.append(turn)
+            self.modes[i].append(mode)
+            actions.append((i, turn.action_text))
+        return actions
+
+    def observe(self, live: list[int], results: list[Any]) -> list[int]:
+        """Applies the environments' results to each live episode's turn t; returns those that
+        go on, each with turn t+1's full request added."""
+        return [i for i, result in zip(live, results) if self._observe(i, result)]
+
+    def _observe(self, i: int, result: Any) -> bool:
+        """Checks the transition, records turn t's outcome and builds c_{t+1}; ``False`` once the
+        episode has ended."""
+        e = self.episodes[i]
+        t = len(e.traj.turns) - 1
+        turn, mode = e.traj.turns[t], self.modes[i][t]
+        if isinstance(result, EnvFailure):
+            mark_env_error(e.traj, result)
+            self.matches[i].append(None)
+            self._end(i)
+            return False
+        obs, reward, terminated, truncated, info = result
+        match = self.matches_reference(obs, e.reference.observations[t]) if mode == "reference" else None
+        if match is False:
+            e.aligned = False
+            self.first_deviation[i] = t
+        if e.aligned and t + 1 >= len(e.reference.observations):
+            e.aligned = False  # the reference ended: nothing left to follow
+        self.matches[i].append(match)
+        turn.observation, turn.reward = obs, float(reward)
+        turn.terminated, turn.truncated = bool(terminated), bool(truncated)
+        turn.info = {**kept_info(info), "actfirst_mode": mode, "transition_match": match}
+        e.traj.success = bool(info.get("success", False))
+        if terminated or truncated:
+            e.traj.end_reason = "success" if e.traj.success else ("failure" if terminated else "truncated")
+            self._end(i)
+            return False
+        next_prompt = standard_prompt_ids(self.fmt, self.tokenizer, obs)
+        # c_{t+1} = c_t a_t close o_t: the state-grounded view closes every action this way.
+        e.history = e.context + turn.executed_action_ids + [self.fmt.im_end_id, *self.fmt.newline_ids]
+        e.context = e.history + next_prompt
+        e.prompt = next_prompt
+        e.observation = obs
+        if len(e.context) + self.settings.episode.max_new_tokens > self.settings.episode.max_context_tokens:
+            e.traj.end_reason = "context_limit"
+            self._end(i)
+            return False
+        self._add_full(i, t + 1)
+        return True
+
+    # ----- the results
+    def attach_full_responses(self) -> None:
+        """Files each full response into its turn (once the stream has drained)."""
+        for i, e in enumerate(self.episodes):
+            for t, turn in enumerate(e.traj.turns):
+                completion = self.full_results[(i, t)]
+                turn.response_ids, turn.response_logprobs = list(completion.response_ids), list(completion.logprobs)
+                turn.action_start, turn.action_end = self.fmt.action_span(turn.response_ids)
+                self.full_tokens += len(turn.response_ids)
+
+    def _per_turn(self, at: dict[tuple[int, int], float]) -> list[list[float]]:
+        return [[at[(i, t)] for t in range(len(e.traj.turns))] for i, e in enumerate(self.episodes)]
+
+    def stats(self, start: float, critical: float, end: float) -> ActFirstStats:
+        """The :class:`ActFirstStats`, given when the rollout began, when the last environment
+        step returned and when the stream had drained (``perf_counter``)."""
+        return ActFirstStats(
+            modes=self.modes, matches=self.matches, first_deviation=self.first_deviation,
+            has_reference=[e.reference is not None for e in self.episodes], ended_at=self.ended_at,
+            full_queued_at=self._per_turn(self.full_queued_at), full_finished_at=self._per_turn(self.full_finished_at),
+            fast_latencies_s=self.fast_latencies, full_latencies_s=self.full_latencies,
+            stream_steps=self.stream.steps, stream_row_steps=self.stream.row_steps,
+            env_overlap_steps=self.overlap_steps, fast_tokens=self.fast_tokens, full_tokens=self.full_tokens,
+            critical_path_s=critical - start, critical_path_end=critical, drain_s=end - critical,
+            generation_s=end - start,
+        )
 
 
 def run_actfirst_episodes(
@@ -277,181 +473,19 @@ def run_actfirst_episodes(
     if envs is None:
         with InProcessEnvs(env_factory) as local:
             return run_actfirst_episodes(engine, env_factory, tasks, references, tokenizer, fmt, settings, seed, local)
-    ep = settings.episode
-    matches_reference = settings.check.resolve()
-    stream = engine.stream(seed * 1009 + 500009)
-    requests = 0
-
-    def add(key, prompt_ids: list[int], max_new_tokens: int) -> None:
-        nonlocal requests
-        # Every request its own seed (vLLM seeds per request; the HF stream ignores it).
-        stream.add(key, prompt_ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=ep.temperature,
-                                                   stop_token_ids=(fmt.im_end_id,), seed=requests))
-        requests += 1
-
-    full_results: dict[tuple[int, int], Completion] = {}
-    full_queued_at: dict[tuple[int, int], float] = {}
-    full_finished_at: dict[tuple[int, int], float] = {}
-    full_latencies: list[float] = []
-
-    step_s = 0.0  # the last stream step's duration
-
-    def step() -> list[tuple[Any, Completion]]:
-        """One stream step; full responses are filed, fast ones returned."""
-        nonlocal step_s
-        fast = []
-        began = time.perf_counter()
-        finished = stream.step()
-        ended = time.perf_counter()
-        step_s = ended - began
-        for key, completion in finished:
-            if key[0] == "full":
-                full_results[key[1:]] = completion
-                full_finished_at[key[1:]] = ended
-                full_latencies.append(full_finished_at[key[1:]] - full_queued_at[key[1:]])
-            else:
-                fast.append((key, completion))
-        return fast
-
-    overlap_steps = 0
-
-    def decode_while_envs_step() -> bool:
-        """One stream step while the environments compute; ``False`` once nothing is in flight.
-        Every fast request has finished by then, so only full responses advance."""
-        nonlocal overlap_steps
-        if not stream:
-            return False
-        fast = step()
-        assert not fast, "a fast request was in flight during the environment steps"
-        overlap_steps += 1
-        return True
-
-    def add_full(i: int, t: int, context: list[int]) -> None:
-        full_queued_at[(i, t)] = time.perf_counter()
-        add(("full", i, t), context, ep.max_new_tokens)
-
-    n = len(tasks)
-    episodes = [_Episode(Trajectory(task=task), (references or {}).get(task) if settings.inverse_dynamics else None)
-                for task in tasks]
-    modes: list[list[str]] = [[] for _ in tasks]
-    matches: list[list[bool | None]] = [[] for _ in tasks]
-    first_deviation: list[int | None] = [None] * n
-    ended_at = [float("nan")] * n
-    fast_latencies: list[float] = []
-    fast_tokens = 0
+    rollout = _ActFirstRollout(engine, tasks, references, tokenizer, fmt, settings, seed)
+    while_waiting = rollout.decode_while_envs_step if settings.decode_during_env_steps else None
     start = time.perf_counter()
-    pending = []
-    for i, result in enumerate(envs.reset_many([(i, task, seed) for i, task in enumerate(tasks)])):
-        e = episodes[i]
-        if isinstance(result, EnvFailure):
-            mark_env_error(e.traj, result)
-            ended_at[i] = time.perf_counter()
-            continue
-        e.observation = result[0]
-        e.traj.initial_observation, e.traj.initial_info = result[0], kept_info(result[1])
-        prompt = standard_prompt_ids(fmt, tokenizer, e.observation, ep.system_prompt, first=True)
-        e.context = list(prompt)
-        e.history = e.context[: len(e.context) - len(standard_prompt_ids(fmt, tokenizer, e.observation))]
-        e.aligned = e.reference is not None and len(e.reference.actions) > 0
-        add_full(i, 0, e.context)
-        pending.append((i, prompt))
-    while pending:
-        turn_modes = []
-        called = time.perf_counter()
-        for i, _ in pending:
-            e, t = episodes[i], len(episodes[i].traj.turns)
-            reference_next = e.reference.observations[t] if e.aligned and t < len(e.reference.observations) else None
-            turn_modes.append("reference" if reference_next is not None else "autonomous")
-            prompt = e.history + action_only_prompt_ids(fmt, tokenizer, e.observation, reference_next)
-            add(("fast", i), prompt, settings.action_max_new_tokens)
-        fast_done: dict[int, Completion] = {}
-        while len(fast_done) < len(pending):
-            fast_done.update((key[1], completion) for key, completion in step())
-        fast_latencies.append(time.perf_counter() - called)
-        turns = []
-        for (i, prompt), mode in zip(pending, turn_modes):
-            fast = fast_done[i].response_ids
-            fast_tokens += len(fast)
-            a_start, a_end = fmt.action_span(fast)
-            action_ids = list(fast[a_start:a_end])
-            turn = Turn(prompt_ids=list(prompt), response_ids=[], response_logprobs=[],
-                        action_text=tokenizer.decode(action_ids, skip_special_tokens=True),
-                        executed_action_ids=action_ids)
-            episodes[i].traj.turns.append(turn)
-            modes[i].append(mode)
-            turns.append(turn)
+    live = rollout.reset(envs, seed)
+    while live:
+        actions = rollout.fast_turn(live)
         # Environments that answer within one stream step are not held up by one: the stream
         # decodes only in the waits of slower ones.
-        results = envs.step_many([(i, turn.action_text) for (i, _), turn in zip(pending, turns)],
-                                 while_waiting=decode_while_envs_step if settings.decode_during_env_steps else None,
-                                 grace_s=step_s)
-        still = []
-        for (i, _), mode, turn, result in zip(pending, turn_modes, turns, results):
-            e, t = episodes[i], len(episodes[i].traj.turns) - 1
-            if isinstance(result, EnvFailure):
-                mark_env_error(e.traj, result)
-                matches[i].append(None)
-                ended_at[i] = time.perf_counter()
-                continue
-            obs, reward, terminated, truncated, info = result
-            match = matches_reference(obs, e.reference.observations[t]) if mode == "reference" else None
-            if match is False:
-                e.aligned = False
-                first_deviation[i] = t
-            if e.aligned and t + 1 >= len(e.reference.observations):
-                e.aligned = False  # the reference ended: nothing left to follow
-            matches[i].append(match)
-            turn.observation, turn.reward = obs, float(reward)
-            turn.terminated, turn.truncated = bool(terminated), bool(truncated)
-            turn.info = {**kept_info(info), "actfirst_mode": mode, "transition_match": match}
-            e.traj.success = bool(info.get("success", False))
-            if terminated or truncated:
-                e.traj.end_reason = "success" if e.traj.success else ("failure" if terminated else "truncated")
-                ended_at[i] = time.perf_counter()
-                continue
-            next_prompt = standard_prompt_ids(fmt, tokenizer, obs)
-            # c_{t+1} = c_t a_t close o_t: the state-grounded view closes every action this way.
-            e.history = e.context + turn.executed_action_ids + [fmt.im_end_id, *fmt.newline_ids]
-            e.context = e.history + next_prompt
-            e.observation = obs
-            if len(e.context) + ep.max_new_tokens > ep.max_context_tokens:
-                e.traj.end_reason = "context_limit"
-                ended_at[i] = time.perf_counter()
-                continue
-            add_full(i, t + 1, e.context)
-            still.append((i, next_prompt))
-        pending = still
+        results = envs.step_many(actions, while_waiting=while_waiting, grace_s=rollout.step_s)
+        live = rollout.observe(live, results)
     critical = time.perf_counter()
-    while stream:  # the full responses still in flight
-        step()
+    rollout.drain()
     end = time.perf_counter()
-    full_tokens = 0
-    for i, e in enumerate(episodes):
-        for t, turn in enumerate(e.traj.turns):
-            completion = full_results[(i, t)]
-            turn.response_ids, turn.response_logprobs = list(completion.response_ids), list(completion.logprobs)
-            turn.action_start, turn.action_end = fmt.action_span(turn.response_ids)
-            full_tokens += len(turn.response_ids)
-    stats = ActFirstStats(
-        modes=modes, matches=matches, first_deviation=first_deviation,
-        has_reference=[e.reference is not None for e in episodes], ended_at=ended_at,
-        full_queued_at=[[full_queued_at[(i, t)] for t in range(len(e.traj.turns))] for i, e in enumerate(episodes)],
-        full_finished_at=[[full_finished_at[(i, t)] for t in range(len(e.traj.turns))] for i, e in enumerate(episodes)],
-        fast_latencies_s=fast_latencies, full_latencies_s=full_latencies,
-        stream_steps=stream.steps, stream_row_steps=stream.row_steps, env_overlap_steps=overlap_steps,
-        fast_tokens=fast_tokens, full_tokens=full_tokens, critical_path_s=critical - start, critical_path_end=critical, drain_s=end - critical,
-        generation_s=end - start,
-    )
-    return [e.traj for e in episodes], stats
+    rollout.attach_full_responses()
+    return [e.traj for e in rollout.episodes], rollout.stats(start, critical, end)
 
-
-def collect_actfirst(worker, env_factory, tasks: list[str], references: dict[str, Any] | None,
-                     settings: ActFirstSettings, seed: int) -> tuple[list[Trajectory], ActFirstStats, dict[str, float]]:
-    """:func:`run_actfirst_episodes` inside a rollout actor (``worker.run(collect_actfirst, ...)``),
-    with the worker's engine and environment pool; also returns ``env_restarts``."""
-    envs = worker._envs(env_factory, settings.episode)
-    restarts_before = envs.restarts if envs is not None else 0
-    trajs, stats = run_actfirst_episodes(worker.engine, env_factory, tasks, references, worker.tokenizer, worker.fmt,
-                                         settings, seed, envs=envs)
-    restarts = (envs.restarts - restarts_before) if envs is not None else 0
-    return trajs, stats, {"env_restarts": float(restarts)}

@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
-from opd.config import ConfigError
+from opd.schema import ConfigError
 
 REFERENCES_VERSION = 1
 COLUMNS = ("task", "actions", "observations", "success")
@@ -239,27 +239,6 @@ def references_dir(cfg: Any) -> Path:
     return _cache_root(cfg) / "references" / digest
 
 
-def _teacher_player(cfg: Any, log: Callable[[str], None]) -> Callable[[list[str]], list]:
-    """Greedy teacher rollouts in this process (the CLI's path; a run passes its teacher actor)."""
-    from opd.chat import ChatFormat
-    from opd.envs import EnvFactory
-    from opd.generation import make_engine
-    from opd.models import load_tokenizer
-    from opd.rollout.vanilla import EpisodeSettings, run_episodes
-    from opd.runtime.driver import resolve_model_path
-
-    path = resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, log)
-    engine = make_engine(cfg.teacher.engine, path, cfg.teacher.dtype, cfg.teacher.trust_remote_code,
-                         cfg.teacher.prefix_cache_mb)
-    tokenizer = load_tokenizer(path, cfg.teacher.trust_remote_code)
-    fmt = ChatFormat.from_tokenizer(tokenizer)
-    settings = EpisodeSettings(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0,
-                               max_context_tokens=cfg.rollout.max_context_tokens, system_prompt=cfg.rollout.system_prompt,
-                               env_isolation="inprocess")
-    factory = EnvFactory(cfg.env.id, dict(_plain(cfg.env.kwargs)), cfg.env.module)
-    return lambda tasks: run_episodes(engine, factory, tasks, tokenizer, fmt, settings, cfg.run.seed)
-
-
 def build_references(cfg: Any, log: Callable[[str], None] = print,
                      teacher_play: Callable[[list[str]], list] | None = None, chunk: int = 64) -> Path:
     """Build the recipe's references (if not stored yet) and return their directory.
@@ -267,8 +246,9 @@ def build_references(cfg: Any, log: Callable[[str], None] = print,
     Args:
         cfg: the run config (``env``, ``actfirst``, ``teacher``, ``run.seed``).
         log: where progress lines go (the CLI passes ``console.log``).
-        teacher_play: ``tasks -> trajectories`` for ``reference_source: teacher``; by default
-            the teacher is loaded here and plays greedily in this process.
+        teacher_play: ``tasks -> trajectories``, the teacher's greedy episodes: required for
+            ``reference_source: teacher`` (a run passes its teacher worker; ``opd references
+            build`` one in its own process, :func:`opd.runtime.actors.local_teacher_player`).
         chunk: tasks per progress line (and per teacher call).
     """
     from opd.envs import EnvFactory
@@ -287,7 +267,9 @@ def build_references(cfg: Any, log: Callable[[str], None] = print,
         tasks = env.unwrapped.task_ids(cfg.env.train_split)
         play = None
         if af.reference_source == "teacher":
-            play = teacher_play or _teacher_player(cfg, log)
+            if teacher_play is None:
+                raise ValueError("reference_source 'teacher' needs a teacher_play: tasks -> trajectories")
+            play = teacher_play
         built = []
         for start in range(0, len(tasks), chunk):
             part = tasks[start : start + chunk]

@@ -1,9 +1,11 @@
 """The Ray side of the loop: the worker classes, how they are placed, and weight sync.
 
 ``TeacherWorker`` and ``RolloutWorker`` are plain classes; :func:`spawn_workers` hosts them and
-:class:`opd.training.trainer.StudentTrainer` as Ray actors with the recipe's CPU/GPU shares.
-On one machine ``ray.init`` starts a local Ray bound to loopback; with ``RAY_ADDRESS`` set the
-same code joins that cluster.
+:class:`opd.training.trainer.StudentTrainer` as Ray actors with the recipe's CPU/GPU shares, and
+returns :class:`RayWorkers`, the :class:`opd.algorithms.base.Workers` handle that algorithms and
+the evaluation call (each call a remote call, awaited). On one machine ``ray.init`` starts a
+local Ray bound to loopback; with ``RAY_ADDRESS`` set the same code joins that cluster. Without
+Ray, a plain ``TeacherWorker`` plays in this process (:func:`local_teacher_player`).
 
 Weight sync: the trainer puts its full weights into the Ray object store once
 (``export_weights``), the rollout worker copies them into its live model in place. On one
@@ -11,7 +13,7 @@ machine the object store is shared memory; across nodes Ray moves the bytes.
 
 Example:
     >>> workers = spawn_workers(cfg, student_path, teacher_path)  # doctest: +SKIP
-    >>> timings = sync_weights(workers)  # doctest: +SKIP
+    >>> timings = workers.sync_weights()  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+from opd.algorithms.base import Role
 from opd.trajectory import Trajectory
 
 
@@ -45,8 +48,9 @@ class _PolicyHost:
         self.tokenizer = load_tokenizer(path, model_cfg["trust_remote_code"])
         self.fmt = ChatFormat.from_tokenizer(self.tokenizer)
 
-    def _envs(self, env_factory, settings):
-        """The environment pool for ``env_factory``: child processes kept from call to call."""
+    def envs(self, env_factory, settings):
+        """The environment pool for ``env_factory``: child processes kept from call to call
+        (``None`` with ``env_isolation: inprocess``)."""
         from opd.rollout.env_pool import EnvWorkerPool
 
         if settings.env_isolation != "subprocess":
@@ -64,16 +68,13 @@ class _PolicyHost:
         from opd.rollout.vanilla import run_episodes
 
         start = time.perf_counter()
-        envs = self._envs(env_factory, settings)
+        envs = self.envs(env_factory, settings)
         restarts_before = envs.restarts if envs is not None else 0
         trajs = run_episodes(self.engine, env_factory, tasks, self.tokenizer, self.fmt, settings, seed, envs=envs)
         seconds = time.perf_counter() - start
         tokens = sum(t.num_response_tokens for t in trajs)
         restarts = (envs.restarts - restarts_before) if envs is not None else 0
         return trajs, {"generation_s": seconds, "generated_tokens": float(tokens), "env_restarts": float(restarts)}
-
-    def chat_format(self):
-        return self.fmt
 
     def run(self, fn, *args, **kwargs):
         """``fn(self, *args, **kwargs)`` inside this worker: how an algorithm runs its own rollout
@@ -122,12 +123,55 @@ class RolloutWorker(_PolicyHost):
 
 
 @dataclass
-class Workers:
-    """Handles to the three actors of a run."""
+class RayWorkers:
+    """The three actors of a run behind the :class:`opd.algorithms.base.Workers` handle."""
 
     teacher: Any
     rollout: Any
     trainer: Any
+
+    def _host(self, who: Role):
+        return self.rollout if who == "student" else self.teacher
+
+    def collect(self, who: Role, env_factory, tasks: list[str], settings, seed: int):
+        import ray
+
+        return ray.get(self._host(who).collect.remote(env_factory, tasks, settings, seed))
+
+    def score(self, trajs: list[Trajectory], supervision: Any) -> list:
+        import ray
+
+        return ray.get(self.teacher.score.remote(trajs, supervision))
+
+    def train(self, batch) -> dict[str, float]:
+        import ray
+
+        return ray.get(self.trainer.train_step.remote(batch))
+
+    def sync_weights(self) -> dict[str, float]:
+        """Trainer -> rollout engine, in place: the weights are put in the object store once."""
+        import ray
+
+        start = time.perf_counter()
+        weights_ref = self.trainer.export_weights.remote()
+        load_s = ray.get(self.rollout.update_weights.remote(weights_ref))
+        return {"weight_sync_s": time.perf_counter() - start, "weight_load_s": load_s}
+
+    def run(self, who: Role, fn: Callable[..., Any], *args: Any) -> Any:
+        import ray
+
+        return ray.get(self._host(who).run.remote(fn, *args))
+
+    def save_checkpoint(self, directory: str) -> None:
+        """The trainer's state and HF export into ``directory`` (see :mod:`opd.training.checkpoint`)."""
+        import ray
+
+        ray.get(self.trainer.save_checkpoint.remote(directory))
+
+    def load_checkpoint(self, directory: str) -> None:
+        import ray
+
+        ray.get(self.trainer.load_checkpoint.remote(directory))
 
 
 def init_ray(resources: Any) -> None:
@@ -151,7 +195,7 @@ def init_ray(resources: Any) -> None:
     )
 
 
-def spawn_workers(cfg: Any, student_path: str, teacher_path: str) -> Workers:
+def spawn_workers(cfg: Any, student_path: str, teacher_path: str) -> RayWorkers:
     """Create the teacher, rollout and trainer actors with the recipe's resource shares."""
     import ray
     from omegaconf import OmegaConf
@@ -177,15 +221,24 @@ def spawn_workers(cfg: Any, student_path: str, teacher_path: str) -> Workers:
         num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus, runtime_env=thread_env
     ).remote(cfg.trainer, loss_terms, student_path, cfg.rollout.episodes_per_step, student["dtype"],
              student["trust_remote_code"], threads, cfg.run.total_steps, cfg.rollout.temperature)
-    return Workers(teacher=teacher_actor, rollout=rollout_actor, trainer=trainer_actor)
+    return RayWorkers(teacher=teacher_actor, rollout=rollout_actor, trainer=trainer_actor)
 
 
-def sync_weights(workers: Workers) -> dict[str, float]:
-    """Trainer -> rollout engine, in place. Returns ``weight_sync_s`` (end to end) and
-    ``weight_load_s`` (the copy inside the rollout worker)."""
-    import ray
 
-    start = time.perf_counter()
-    weights_ref = workers.trainer.export_weights.remote()
-    load_s = ray.get(workers.rollout.update_weights.remote(weights_ref))
-    return {"weight_sync_s": time.perf_counter() - start, "weight_load_s": load_s}
+def local_teacher_player(cfg: Any, log: Callable[[str], None]) -> Callable[[list[str]], list[Trajectory]]:
+    """``tasks -> trajectories``: the teacher's greedy episodes played in this process, without
+    Ray (``opd references build`` uses it for ``actfirst.reference_source: teacher``); the
+    teacher is provisioned first (built, for a ``bootstrap`` section)."""
+    from omegaconf import OmegaConf
+
+    from opd.envs import EnvFactory
+    from opd.provisioning import resolve_model_path
+    from opd.rollout.vanilla import EpisodeSettings
+
+    path = resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, log)
+    worker = TeacherWorker(OmegaConf.to_container(cfg.teacher, resolve=True), path, cfg.resources.torch_threads)
+    settings = EpisodeSettings(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0,
+                               max_context_tokens=cfg.rollout.max_context_tokens, system_prompt=cfg.rollout.system_prompt,
+                               env_isolation="inprocess")
+    factory = EnvFactory(cfg.env.id, dict(cfg.env.kwargs), cfg.env.module)
+    return lambda tasks: worker.collect(factory, tasks, settings, cfg.run.seed)[0]

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from opd.config import ConfigError, to_yaml
 from opd.training.checkpoint import atomic_write_text, latest_checkpoint, save_checkpoint
@@ -27,20 +26,6 @@ from opd.training.checkpoint import atomic_write_text, latest_checkpoint, save_c
 
 class RunError(RuntimeError):
     """A run that must stop; the message says why and what was kept."""
-
-
-@dataclass
-class RunContext:
-    """What an algorithm's ``train_step`` needs from the driver."""
-
-    cfg: Any
-    workers: Any
-    env_factory: Any
-    train_tasks: list[str]
-    eval_tasks: list[str]
-    train_settings: Any
-    eval_settings: Any
-    fmt: Any
 
 
 class MetricsLog:
@@ -80,55 +65,18 @@ def _line_step(line: str) -> int:
         return 10**12  # an unreadable (half-written) line is dropped
 
 
-def resolve_model_path(model_cfg: Any, env_cfg: Any, seed: int, log: Callable[[str], None]) -> str:
-    if model_cfg.bootstrap is not None:
-        from opd.training.bootstrap import build_bootstrap_model
-
-        if model_cfg.bootstrap.seed is not None:  # pinned: runs with other seeds share the model
-            seed = model_cfg.bootstrap.seed
-        return build_bootstrap_model(model_cfg.bootstrap, env_cfg, seed, log)
-    return model_cfg.path
-
-
-def evaluate(ctx: RunContext, who: str, step: int = 0) -> dict[str, float]:
-    """Greedy success on the held-out tasks, played by the student or the teacher; the episodes
-    are kept as readable text in ``trajectories/{who}_step_N.jsonl``."""
-    import ray
-
-    from opd.trajectory import success_rate
-
-    worker = ctx.workers.rollout if who == "student" else ctx.workers.teacher
-    tasks = ctx.eval_tasks
-    trajs, gen = ray.get(worker.collect.remote(ctx.env_factory, tasks, ctx.eval_settings, ctx.cfg.run.seed))
-    _write_trajectories(Path(ctx.cfg.run.output_dir) / "trajectories" / f"{who}_step_{step}.jsonl", trajs)
-    return {
-        f"eval/{who}_success": success_rate(trajs),
-        f"eval/{who}_turns": sum(len(t.turns) for t in trajs) / max(len(trajs), 1),
-        f"eval/{who}_time_s": gen["generation_s"],
-    }
-
-
-def _write_trajectories(path: Path, trajs: list) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for traj in trajs:
-        turns = [{"action": t.action_text, "observation": t.observation, "reward": t.reward, **t.info} for t in traj.turns]
-        lines.append(json.dumps({"task": traj.task, "success": traj.success, "end_reason": traj.end_reason,
-                                 "error": traj.error, "turns": turns}))
-    atomic_write_text(path, "\n".join(lines) + "\n")
-
-
 def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]:
     """Run the recipe; returns the summary (also written to ``summary.json``)."""
-    import ray
-
     from opd.algorithms import get_algorithm
+    from opd.algorithms.base import RunContext
     from opd.chat import ChatFormat
     from opd.envs import EnvFactory
+    from opd.evaluation.heldout import evaluate
     from opd.evaluation.report import Progress, render_summary, write_report_plot
     from opd.models import TokenizerMismatchError, check_tokenizers_match, load_tokenizer
+    from opd.provisioning import resolve_model_path
     from opd.rollout.vanilla import EpisodeSettings
-    from opd.runtime.actors import init_ray, spawn_workers, sync_weights
+    from opd.runtime.actors import init_ray, spawn_workers
 
     log = console.log if console is not None else print
     run_dir = Path(cfg.run.output_dir)
@@ -176,8 +124,8 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
     state: dict[str, Any] = {"step": 0, "train_time_s": 0.0, "evals": []}
     if found:
         path, state = found
-        ray.get(workers.trainer.load_checkpoint.remote(str(path)))
-        sync_weights(workers)
+        workers.load_checkpoint(str(path))
+        workers.sync_weights()
         log(f"resumed from {path} (step {state['step']})")
     metrics = MetricsLog(run_dir, keep_until_step=state["step"] if found else None)
     log(f"setup took {time.perf_counter() - setup_start:.1f}s; run directory: {run_dir}")
@@ -219,8 +167,7 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
                     state["student_success_after"] = record["eval/student_success"]
                     state["evals"].append({"step": step, **record})
                     metrics.write(step, record)
-                save_checkpoint(run_dir, step, lambda d: ray.get(workers.trainer.save_checkpoint.remote(d)),
-                                state, keep=cfg.run.keep_checkpoints)
+                save_checkpoint(run_dir, step, workers.save_checkpoint, state, keep=cfg.run.keep_checkpoints)
     finally:
         progress.close()
         metrics.close()

@@ -36,7 +36,7 @@ from dataclasses import replace
 from opd.chat import ChatFormat
 from opd.generation.base import TokenScores
 from opd.supervision.teacher_view import score_trajectories, unpack_scores
-from opd.trajectory import Trajectory, Turn
+from opd.trajectory import Trajectory
 
 
 def token_end_offsets(tokenizer, ids: list[int]) -> tuple[str, list[int]]:

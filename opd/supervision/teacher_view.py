@@ -12,6 +12,9 @@ with no reasoning) the response is scored straight off the trunk and needs no br
 forward then yields every turn's teacher logprobs: the cost is one pass over the trunk plus the
 responses, instead of T passes over ever longer contexts.
 
+The scores come back to the trainer on the student's own rows: :func:`with_teacher_scores`
+places them on the tokens they grade, whatever the rows' layout.
+
 Example:
     >>> request = pack_trajectory(traj, "state_grounded", fmt)  # doctest: +SKIP
     >>> per_turn = unpack_scores(traj, engine.score([request])[0].logprobs)  # doctest: +SKIP
@@ -19,9 +22,13 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import torch
+
 from opd.chat import ChatFormat, render_context
 from opd.generation.base import ScoreRequest, TokenScores
-from opd.trajectory import Trajectory
+from opd.trajectory import TokenBatch, Trajectory
 
 
 def pack_trajectory(traj: Trajectory, view: str, fmt: ChatFormat) -> ScoreRequest:
@@ -58,7 +65,7 @@ def pack_trajectory(traj: Trajectory, view: str, fmt: ChatFormat) -> ScoreReques
         if last:
             break
         trunk_len = extend(([] if on_trunk else shown) + closing, 0, trunk_len)
-    return ScoreRequest(ids, pos, branch, target, source, meta={"task": traj.task})
+    return ScoreRequest(ids, pos, branch, target, source)
 
 
 def packed_row(traj: Trajectory, fmt: ChatFormat, view: str = "state_grounded") -> tuple[dict[str, list], list[int]]:
@@ -105,3 +112,34 @@ def score_trajectories(engine, trajs: list[Trajectory], view: str, fmt: ChatForm
     (``TokenScores.logprobs`` has ``traj.num_response_tokens`` entries)."""
     requests = [pack_trajectory(traj, view, fmt) for traj in trajs]
     return engine.score(requests, batch_size=batch_size, mode=mode, top_k=top_k, batch_tokens=batch_tokens) if requests else []
+
+
+def with_teacher_scores(batch: TokenBatch, positions: list[list[int]], scores: list[TokenScores]) -> TokenBatch:
+    """``batch`` with the teacher's scores of row ``b`` on its tokens ``positions[b]`` (the k-th
+    score on the k-th position): ``teacher_logprobs_BT`` always, and, where the scores carry them,
+    ``topk``'s ids, logprobs and tail mass (``-inf`` / 0 elsewhere) and ``full``'s distribution
+    (0 elsewhere).
+
+    Shapes: ``positions[b]`` has ``len(scores[b].logprobs)`` entries, indices into ``[0, T)``.
+    """
+    B, T = batch.input_ids_BT.shape
+    teacher_BT = batch.teacher_logprobs_BT.clone()
+    for b, (index, score) in enumerate(zip(positions, scores)):
+        teacher_BT[b, index] = torch.tensor(score.logprobs)
+    fields: dict = {"teacher_logprobs_BT": teacher_BT}
+    if scores and scores[0].topk_ids is not None:
+        K = scores[0].topk_ids.shape[1]
+        ids_BTK = torch.zeros(B, T, K, dtype=torch.long)
+        logp_BTK = torch.full((B, T, K), float("-inf"))
+        tail_BT = torch.zeros(B, T)
+        for b, (index, score) in enumerate(zip(positions, scores)):
+            ids_BTK[b, index] = score.topk_ids
+            logp_BTK[b, index] = score.topk_logprobs
+            tail_BT[b, index] = score.tail_logprob
+        fields.update(teacher_topk_ids_BTK=ids_BTK, teacher_topk_logprobs_BTK=logp_BTK, teacher_tail_logprob_BT=tail_BT)
+    if scores and scores[0].full_logprobs is not None:
+        full_BTV = torch.zeros(B, T, scores[0].full_logprobs.shape[1])
+        for b, (index, score) in enumerate(zip(positions, scores)):
+            full_BTV[b, index] = score.full_logprobs
+        fields["teacher_full_logprobs_BTV"] = full_BTV
+    return replace(batch, **fields)

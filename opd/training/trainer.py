@@ -84,11 +84,18 @@ def token_logprobs(model, batch: TokenBatch) -> torch.Tensor:
     return student_logprobs(model, batch)[0]
 
 
-def lr_multiplier(trainer_cfg: Any, total_steps: int):
-    """Step -> learning-rate factor: linear warm-up, then constant or cosine to ``min_lr_ratio``."""
-    warmup = max(1, int(trainer_cfg.warmup_steps))
-    cosine = trainer_cfg.lr_schedule == "cosine"
-    floor = float(trainer_cfg.min_lr_ratio)
+def lr_multiplier(warmup_steps: int, total_steps: int, schedule: str = "constant", min_lr_ratio: float = 0.1):
+    """Step -> learning-rate factor: linear warm-up over ``warmup_steps``, then ``constant``, or
+    ``cosine`` decay to ``min_lr_ratio`` at ``total_steps``.
+
+    Example:
+        >>> factor = lr_multiplier(warmup_steps=2, total_steps=10, schedule="cosine", min_lr_ratio=0.0)
+        >>> factor(0), factor(1), factor(10)
+        (0.5, 0.9755282581475768, 0.0)
+    """
+    warmup = max(1, int(warmup_steps))
+    cosine = schedule == "cosine"
+    floor = float(min_lr_ratio)
     total = max(1, int(total_steps))
 
     def factor(step: int) -> float:
@@ -145,7 +152,8 @@ class StudentTrainer:
             weight_decay=float(trainer_cfg.weight_decay),
         )
         # The scheduler lives in DeepSpeed's checkpoint, so a resumed run continues its schedule.
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(trainer_cfg, total_steps))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(
+            trainer_cfg.warmup_steps, total_steps, trainer_cfg.lr_schedule, trainer_cfg.min_lr_ratio))
         ds_config = {
             "train_batch_size": episodes_per_step,
             "train_micro_batch_size_per_gpu": self.micro_batch_size,

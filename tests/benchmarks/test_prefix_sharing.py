@@ -20,7 +20,7 @@ import time
 import pytest
 
 from opd.chat import ChatFormat, first_prompt_ids, next_prompt_ids
-from opd.config import TinyArchConfig
+from opd.schema import TinyArchConfig
 from opd.envs import EnvFactory
 from opd.generation.hf import HFEngine
 from opd.models import tiny_qwen3, train_chat_tokenizer

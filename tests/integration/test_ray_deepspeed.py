@@ -34,7 +34,7 @@ def _cfg(tmp_path, *overrides):
 
 
 def _paths(cfg):
-    from opd.runtime.driver import resolve_model_path
+    from opd.provisioning import resolve_model_path
 
     return (resolve_model_path(cfg.student, cfg.env, cfg.run.seed + 1, print),
             resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, print))
@@ -43,7 +43,8 @@ def _paths(cfg):
 def test_two_steps_through_ray_and_deepspeed(tmp_path, ray_session):
     import ray
 
-    from opd.algorithms import vanilla_opd
+    from opd.algorithms import step, vanilla_opd
+    from opd.algorithms.base import RunContext
     from opd.chat import ChatFormat
     from opd.envs import EnvFactory
     from opd.generation.hf import HFEngine
@@ -51,7 +52,6 @@ def test_two_steps_through_ray_and_deepspeed(tmp_path, ray_session):
     from opd.models import load_model, load_tokenizer
     from opd.rollout.vanilla import EpisodeSettings, run_episodes
     from opd.runtime.actors import init_ray, spawn_workers
-    from opd.runtime.driver import RunContext
     from opd.supervision.teacher_view import score_trajectories
     from opd.training.trainer import token_logprobs
 
@@ -70,10 +70,10 @@ def test_two_steps_through_ray_and_deepspeed(tmp_path, ray_session):
     second = vanilla_opd.train_step(ctx, 2)
 
     # Reference for step 1, computed in this process with no Ray and no DeepSpeed.
-    tasks = vanilla_opd.sample_tasks(train_tasks, cfg.rollout.episodes_per_step, cfg.run.seed, 1)
+    tasks = step.sample_tasks(train_tasks, cfg.rollout.episodes_per_step, cfg.run.seed, 1)
     trajs = run_episodes(HFEngine.from_pretrained(student_path), factory, tasks, tokenizer, fmt, settings, cfg.run.seed * 100003 + 1)
     scores = score_trajectories(HFEngine.from_pretrained(teacher_path), trajs, "state_grounded", fmt)
-    batch = vanilla_opd.build_token_batch(trajs, scores, fmt.pad_id, fmt)
+    batch = step.build_token_batch(trajs, scores, fmt.pad_id, fmt)
     model = load_model(student_path)
     # The trainer splits the batch into two micro-batches normalised by the whole batch's token
     # count, so its loss is the whole batch's token mean.

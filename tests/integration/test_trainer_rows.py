@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from opd.config import TrainerConfig
+from opd.schema import TrainerConfig
 
 pytestmark = pytest.mark.integration
 

@@ -292,7 +292,7 @@ def test_evaluation_of_actfirst_shows_past_turns_as_actions_only(engine, tokeniz
 
 # ----- bootstrap targets ----------------------------------------------------------------------
 def test_plan_targets_are_long_and_keep_the_action_parseable(tokenizer, fmt):
-    from opd.training.bootstrap import _actfirst_rows, _policy, _sft_row, scripted_episode
+    from opd.provisioning import _actfirst_rows, _policy, _sft_row, scripted_episode
     import random
 
     env = FrozenLakeTextEnv(**KWARGS)
@@ -330,7 +330,7 @@ def test_state_grounded_sft_rows_train_each_response_in_its_state_grounded_conte
     import random
 
     from opd.chat import first_prompt_ids, next_prompt_ids
-    from opd.training.bootstrap import _policy, _response_ids, _sft_row, scripted_episode
+    from opd.provisioning import _policy, _response_ids, _sft_row, scripted_episode
     from opd.training.trainer import token_logprobs
     from opd.trajectory import TokenBatch
 
@@ -366,7 +366,7 @@ def test_default_bootstrap_options_keep_existing_cache_keys():
     from pathlib import Path
 
     from opd.config import load_config
-    from opd.training.bootstrap import bootstrap_key
+    from opd.provisioning import bootstrap_key
 
     tiny = load_config(Path(__file__).resolve().parents[1] / "data" / "tiny.yaml")
     # Pinned: the keys of models built before think/action_only_prob existed.

@@ -7,9 +7,9 @@ import random
 
 from omegaconf import OmegaConf
 
-from opd.config import BootstrapConfig, EnvConfig
+from opd.schema import BootstrapConfig, EnvConfig
 from opd.supervision.pivot import hint_text
-from opd.training.bootstrap import bootstrap_key, hint_rows
+from opd.provisioning import bootstrap_key, hint_rows
 
 
 def test_hinted_rows_train_only_the_hinted_turn(tokenizer, fmt):

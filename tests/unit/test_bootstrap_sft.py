@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from omegaconf import OmegaConf
 
-from opd.config import BootstrapConfig
-from opd.training import bootstrap
+from opd import provisioning as bootstrap
+from opd.schema import BootstrapConfig
 
 
 def test_length_grouped_sft_makes_the_padded_update(tokenizer, fmt, monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from opd.chat import ChatFormat, render_context
-from opd.config import TinyArchConfig
+from opd.schema import TinyArchConfig
 from opd.generation.hf import HFEngine
 from opd.models import TokenizerMismatchError, check_tokenizers_match, load_tokenizer, save_model, smollm2_tokenizer_dir, tiny_qwen3
 from opd.supervision.cross_tokenizer import CrossTokenizerScorer, aligned_teacher_logprobs, token_end_offsets

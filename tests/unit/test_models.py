@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from opd.config import TinyArchConfig
+from opd.schema import TinyArchConfig
 from opd.models import TokenizerMismatchError, check_tokenizers_match, load_model, save_model, tiny_qwen3, train_chat_tokenizer
 
 

@@ -59,7 +59,7 @@ def test_preventive_term_lowers_the_mistaken_action_toward_the_teacher():
     pivot_BT = torch.tensor([[0.0, 1.0, 0.0]])
 
     def make(logits):
-        batch = _batch(logits, ids_BT, loss_mask_BT=torch.ones(1, 3), teacher_logprobs_BT=teacher_BT, pivot_mask_BT=pivot_BT)
+        batch = _batch(logits, ids_BT, loss_mask_BT=torch.ones(1, 3), teacher_logprobs_BT=teacher_BT, masks_BT={"pivot": pivot_BT})
         # Stay on policy: the behaviour is the current student (one PPO epoch per sample).
         return batch.__class__(**{**batch.__dict__, "behaviour_logprobs_BT": batch.student_logprobs_BT.detach()})
 
@@ -80,7 +80,7 @@ def test_preventive_term_follows_the_teacher_upward_too():
 
     def make(logits):
         batch = _batch(logits, ids_BT, loss_mask_BT=torch.ones(1, 2), teacher_logprobs_BT=teacher_BT,
-                       pivot_mask_BT=torch.tensor([[0.0, 1.0]]))
+                       masks_BT={"pivot": torch.tensor([[0.0, 1.0]])})
         return batch.__class__(**{**batch.__dict__, "behaviour_logprobs_BT": batch.student_logprobs_BT.detach()})
 
     after_logits, _ = _train(pivot_preventive, make, logits_BTV, steps=10)
@@ -97,7 +97,7 @@ def _recovery_fields(B, T, K, position, topk_ids, topk_probs):
     mask_BT = torch.zeros(B, T)
     mask_BT[0, position] = 1.0
     return dict(teacher_topk_ids_BTK=ids_BTK, teacher_topk_logprobs_BTK=logp_BTK, teacher_tail_logprob_BT=tail_BT,
-                recovery_mask_BT=mask_BT)
+                masks_BT={"recovery": mask_BT})
 
 
 def test_recovery_term_raises_the_hinted_action_without_the_hint():
@@ -126,8 +126,9 @@ def test_terms_fold_into_one_loss_with_ppo_and_micro_batches_add_up():
     pivot_BT = torch.zeros(B, T)
     pivot_BT[0, 2] = pivot_BT[2, 3] = 1.0
     fields = _recovery_fields(B, T, K, 2, [HINTED, 1], [0.7, 0.2])
-    fields["recovery_mask_BT"] = torch.zeros(B, T)
-    fields["recovery_mask_BT"][3, 1:4] = 1.0
+    recovery_BT = torch.zeros(B, T)
+    recovery_BT[3, 1:4] = 1.0
+    fields["masks_BT"] = {"pivot": pivot_BT, "recovery": recovery_BT}
     for key in ("teacher_topk_ids_BTK", "teacher_topk_logprobs_BTK", "teacher_tail_logprob_BT"):
         fields[key][3] = fields[key][0]
         fields[key][3, 1:4] = fields[key][0, 2]
@@ -135,7 +136,7 @@ def test_terms_fold_into_one_loss_with_ppo_and_micro_batches_add_up():
 
     def batch_of(logits):
         return _batch(logits, ids_BT, loss_mask_BT=loss_mask_BT, teacher_logprobs_BT=-torch.rand(B, T),
-                      pivot_mask_BT=pivot_BT, advantage_B=torch.tensor([1.0, -1.0, 0.5, 0.0]), **fields)
+                      advantage_B=torch.tensor([1.0, -1.0, 0.5, 0.0]), **fields)
 
     torch.manual_seed(1)
     whole = batch_of(logits_BTV).with_totals(micro_batches=2)
@@ -162,7 +163,7 @@ def test_terms_fold_into_one_loss_with_ppo_and_micro_batches_add_up():
 def test_pivot_terms_refuse_a_batch_without_their_mask():
     ids_BT = torch.tensor([[1, 2]])
     batch = _batch(torch.zeros(1, 2, V), ids_BT, loss_mask_BT=torch.ones(1, 2))
-    with pytest.raises(ValueError, match="pivot_mask_BT.*pivot_opd"):
+    with pytest.raises(ValueError, match="'pivot' token mask.*pivot_opd"):
         pivot_preventive(batch, {})
-    with pytest.raises(ValueError, match="recovery_mask_BT.*pivot_opd"):
+    with pytest.raises(ValueError, match="'recovery' token mask.*pivot_opd"):
         pivot_recovery(batch, {})

@@ -143,3 +143,23 @@ def test_cli_builds_references(tmp_path, capsys):
     assert "kept 12 of 12 episodes" in " ".join(capsys.readouterr().out.split())  # rich wraps lines
     assert main(["references", "build", str(TINY), *args]) == 0
     assert "references: already stored in" in " ".join(capsys.readouterr().out.split())
+
+
+def test_cli_builds_teacher_references_with_the_teacher_in_its_own_process(tmp_path, capsys):
+    from opd.cli import main
+
+    cache = tmp_path / "cache" / "bootstrap"
+    args = [f"student.bootstrap.cache_dir={cache}", f"teacher.bootstrap.cache_dir={cache}", SMALL_ENV,
+            "actfirst.reference_source=teacher", "actfirst.keep_failed_references=true"]
+    assert main(["references", "build", str(TINY), *args]) == 0
+    assert "kept 12 of 12 episodes" in " ".join(capsys.readouterr().out.split())
+    directory = references_dir(_cfg(tmp_path, *args[3:]))
+    meta = json.loads((directory / META_FILE).read_text())
+    assert meta["source"] == "teacher" and meta["teacher"]["bootstrap"]["policy"] == "expert"
+    refs = read_references(directory)
+    assert len(refs) == 12 and all(len(r.actions) == len(r.observations) >= 1 for r in refs.values())
+    # Real episodes of the real environment: replaying the teacher's actions gives its observations.
+    env = FrozenLakeTextEnv(map_size=4, max_turns=6, n_train_tasks=12, n_eval_tasks=4)
+    for ref in refs.values():
+        env.reset(seed=0, options={"task": ref.task})
+        assert tuple(env.step(action)[0] for action in ref.actions) == ref.observations

@@ -84,7 +84,7 @@ def test_packed_topk_and_full_scores_equal_plain_forwards(tokenizer, fmt, tiny_m
 
 
 def test_token_batch_carries_topk_and_full_scores_on_response_positions(tokenizer, fmt, tiny_model_dir):
-    from opd.algorithms.vanilla_opd import build_token_batch
+    from opd.algorithms.step import build_token_batch
     from opd.chat import student_sequence
 
     engine = HFEngine.from_pretrained(tiny_model_dir)

@@ -1,7 +1,12 @@
-"""Build a tiny model by SFT on a scripted policy's trajectories, cached by content hash.
+"""Where a run's models come from: a path given in the recipe, or a tiny model built here.
+
+:func:`resolve_model_path` is the one entry: a role's ``path``, or, with a ``bootstrap`` section,
+the directory of a tiny model built by SFT on a scripted policy's trajectories and cached by
+content hash (:func:`build_bootstrap_model`).
 
 This is how the CPU quickstart gets a teacher and a student with no download: a byte-level BPE
-tokenizer is trained on the environment's own text, then
+tokenizer is trained on the environment's own text (seeded with the words its actions are made
+of, the environment's ``tokenizer_words``), then
 
 - the teacher is a tiny Qwen3 fine-tuned on the environment expert's trajectories, and
 - the student is a tiny Qwen3 fine-tuned on uniformly random *valid* actions: it has learnt the
@@ -27,14 +32,13 @@ For ActFirst (``docs/actfirst.md``) three options shape the SFT rows:
 Their defaults leave the targets, and the cache keys of models built before them, unchanged.
 
 Example:
-    >>> path = build_bootstrap_model(cfg.teacher.bootstrap, cfg.env, seed=0)  # doctest: +SKIP
+    >>> path = resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, log=print)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import random
 from pathlib import Path
@@ -43,14 +47,33 @@ from typing import Any, Callable
 import torch
 from omegaconf import OmegaConf
 
-from opd.chat import ChatFormat, first_prompt_ids, next_prompt_ids, student_sequence
+from opd.chat import ChatFormat, action_only_prompt_ids, first_prompt_ids, next_prompt_ids, student_sequence
 from opd.envs import EnvFactory
+from opd.losses import sft as sft_loss
 from opd.models import (load_tokenizer, save_directory_atomically, save_model, smollm2_tokenizer_dir, tiny_qwen3,
                         train_chat_tokenizer)
+from opd.supervision.pivot import hint_text
+from opd.supervision.teacher_view import packed_row
+from opd.training.trainer import lr_multiplier, token_logprobs
 from opd.trajectory import TokenBatch, Trajectory, Turn
 
 TOKENIZER_CORPUS_EPISODES = 300
 CACHE_VERSION = 2  # bump when the recipe of a bootstrapped model, or its environment's text, changes
+CHAT_WORDS = ("user", "assistant", "system", "Invalid action")  # in every environment's tokenizer corpus
+# Before environments named their own words, every tokenizer's corpus was seeded with these; a
+# tokenizer whose environment names them still is the same, and keeps its cache key.
+LEGACY_TOKENIZER_WORDS = ("left", "down", "right", "up")
+
+
+def resolve_model_path(model_cfg: Any, env_cfg: Any, seed: int, log: Callable[[str], None]) -> str:
+    """The model directory (or hub id) of a role: ``model_cfg.path``, or the tiny model its
+    ``bootstrap`` section describes, built on first use. ``seed`` seeds that build unless
+    ``bootstrap.seed`` pins it (so runs with other seeds share the model)."""
+    if model_cfg.bootstrap is not None:
+        if model_cfg.bootstrap.seed is not None:
+            seed = model_cfg.bootstrap.seed
+        return build_bootstrap_model(model_cfg.bootstrap, env_cfg, seed, log)
+    return model_cfg.path
 
 
 def _digest(payload: Any) -> str:
@@ -104,18 +127,21 @@ def _policy(kind: str, rng: random.Random) -> Callable[[dict], str | None]:
 
 def build_tokenizer(env_cfg: Any, vocab_size: int, cache_root: Path, corpus_episodes: int = TOKENIZER_CORPUS_EPISODES):
     """The shared tokenizer for an environment, trained once on its text and cached."""
+    factory = EnvFactory(env_cfg.id, dict(_plain(env_cfg.kwargs)), env_cfg.module)
+    words = tuple(getattr(factory.env_class(), "tokenizer_words", ()))
     payload = {"v": CACHE_VERSION, "env": env_cfg.id, "kwargs": _plain(env_cfg.kwargs), "vocab": vocab_size}
     if corpus_episodes != TOKENIZER_CORPUS_EPISODES:  # the default stays out: earlier caches keep their key
         payload["corpus"] = corpus_episodes
+    if words != LEGACY_TOKENIZER_WORDS:
+        payload["words"] = list(words)
     key = _digest(payload)
     directory = cache_root / f"tokenizer-{key}"
     if (directory / "tokenizer.json").is_file():
         return load_tokenizer(str(directory))
-    factory = EnvFactory(env_cfg.id, dict(_plain(env_cfg.kwargs)), env_cfg.module)
     env = factory()
     tasks = env.unwrapped.task_ids(env_cfg.train_split)
     rng = random.Random(0)
-    corpus = ["left", "down", "right", "up", "user", "assistant", "system", "Invalid action"]
+    corpus = [*words, *CHAT_WORDS]
     for i in range(min(corpus_episodes, len(tasks))):
         for obs, action, _ in scripted_episode(env, tasks[i], _policy("random_valid", rng), seed=i):
             corpus += [obs, action]
@@ -176,8 +202,6 @@ def _sft_row(steps: list[tuple[str, str, bool]], task: str, tokenizer, fmt: Chat
         traj.turns.append(Turn(prompt_ids=prompt, response_ids=response, response_logprobs=[0.0] * len(response),
                                action_start=start, action_end=len(response) - 1, action_text=action))
     if history == "state_grounded":
-        from opd.supervision.teacher_view import packed_row
-
         row, _ = packed_row(traj, fmt)
         row["loss_mask"] = [m if t < 0 or steps[t][2] else 0.0 for m, t in zip(row["loss_mask"], row["turn_index"])]
         return row
@@ -204,8 +228,6 @@ def _actfirst_rows(steps: list[tuple[str, str, bool]], tokenizer, fmt: ChatForma
 
     Action-only targets are the action and the end token.
     """
-    from opd.chat import action_only_prompt_ids
-
     formats = ("reference", "autonomous", "standard") if think else ("reference", "autonomous")
     rows = []
     history: list[int] = []
@@ -278,16 +300,11 @@ SFT_BATCH_TOKENS = 4096  # padded tokens per forward of the bootstrap SFT
 
 
 def sft(model, rows: list[dict], pad_id: int, boot: Any, seed: int, log: Callable[[str], None]) -> None:
-    """Cross-entropy on response tokens, AdamW with linear warm-up and cosine decay."""
-    from opd.losses import sft as sft_loss
-    from opd.training.trainer import token_logprobs
-
+    """Cross-entropy on response tokens, AdamW with linear warm-up (a twentieth of the steps) and
+    cosine decay to 0: the trainer's schedule (:func:`opd.training.trainer.lr_multiplier`)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=boot.learning_rate, weight_decay=0.0)
-    warmup = max(1, boot.sft_steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, boot.sft_steps) / boot.sft_steps)),
-    )
+        optimizer, lr_multiplier(boot.sft_steps // 20, boot.sft_steps, "cosine", min_lr_ratio=0.0))
     rng = random.Random(seed)
     for step in range(boot.sft_steps):
         # Whole episodes and single turns mix in a batch: forwards of similar lengths (the loss
@@ -315,8 +332,6 @@ def hint_rows(steps: list[tuple[str, str, bool]], tokenizer, fmt: ChatFormat, pr
     turn's action as the gold one and turn ``k``'s as the one to play now) appended to turn
     ``k``'s observation; only turn ``k``'s response is trained on.
     """
-    from opd.supervision.pivot import hint_text
-
     rows = []
     for k in range(1, len(steps) - 1):
         obs, action, train_on = steps[k]

@@ -1,0 +1,128 @@
+"""The contract an algorithm is written against: what it is given and what it declares.
+
+An algorithm is one module in :mod:`opd.algorithms` ending with an :class:`Algorithm`: its
+``train_step(ctx, step) -> metrics``, which the driver calls once per training step, and the
+recipe rules that only it knows. ``ctx`` is a :class:`RunContext`: the validated config, the
+environment, the task splits, the sampling settings and :class:`Workers`, the handle through which
+the algorithm reaches the run's roles (the student's rollout engine, the teacher, the trainer)
+without knowing how or where they are hosted. The runtime implements that handle over Ray actors
+(:class:`opd.runtime.actors.RayWorkers`); an algorithm never imports the runtime.
+
+Example:
+    >>> def train_step(ctx: RunContext, step: int) -> dict[str, float]:  # doctest: +SKIP
+    ...     trajs, gen = ctx.workers.collect("student", ctx.env_factory, tasks, ctx.train_settings, seed)
+    ...     scores = ctx.workers.score(trajs, ctx.cfg.supervision)
+    ...     ...
+    >>> ALGORITHM = Algorithm("my_opd", train_step)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Protocol
+
+from opd.chat import ChatFormat
+from opd.envs import EnvFactory
+from opd.generation.base import Engine, TokenScores
+from opd.rollout.vanilla import EpisodeSettings
+from opd.schema import ConfigError, OPDConfig, SupervisionConfig
+from opd.trajectory import TokenBatch, Trajectory
+
+Role = Literal["student", "teacher"]
+"""Who plays: the student (the rollout worker's engine) or the teacher."""
+
+
+class PolicyHost(Protocol):
+    """A worker's insides, as a function sent with :meth:`Workers.run` sees them: the engine, its
+    tokenizer and ChatML ids, and the worker's environment pool."""
+
+    engine: Engine
+    tokenizer: Any
+    fmt: ChatFormat
+
+    def envs(self, env_factory: EnvFactory, settings: EpisodeSettings) -> Any:
+        """The worker's environment pool for ``env_factory`` (``None`` for in-process envs)."""
+
+
+class Workers(Protocol):
+    """The run's roles as an algorithm (and the evaluation) reach them; every call blocks until
+    its answer is in."""
+
+    def collect(self, who: Role, env_factory: EnvFactory, tasks: list[str], settings: EpisodeSettings,
+                seed: int) -> tuple[list[Trajectory], dict[str, float]]:
+        """``who`` plays one episode per task (:func:`opd.rollout.vanilla.run_episodes`); also
+        returns ``generation_s``, ``generated_tokens`` and ``env_restarts``."""
+
+    def score(self, trajs: list[Trajectory], supervision: SupervisionConfig) -> list[TokenScores]:
+        """The teacher's scores of every response token of each trajectory, in its view."""
+
+    def train(self, batch: TokenBatch) -> dict[str, float]:
+        """One optimizer update of the student over ``batch``; the trainer's metrics."""
+
+    def sync_weights(self) -> dict[str, float]:
+        """The trainer's weights into the student's rollout engine; ``weight_sync_s`` (end to end)
+        and ``weight_load_s`` (the copy inside the rollout worker)."""
+
+    def run(self, who: Role, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(host, *args)`` inside ``who``'s worker (``host`` a :class:`PolicyHost`): how an
+        algorithm runs its own rollout or scoring code next to an engine. ``fn`` must be
+        importable (a module-level function)."""
+
+
+@dataclass
+class RunContext:
+    """What an algorithm's ``train_step`` and the evaluation get from the driver.
+
+    Attributes:
+        cfg: the validated recipe.
+        workers: the handle to the run's roles.
+        env_factory: makes the recipe's environment (picklable: it crosses to the workers).
+        train_tasks, eval_tasks: the task ids of the train split and the held-out ones evaluated.
+        train_settings: sampling for training rollouts (the recipe's temperature).
+        eval_settings: greedy, past turns shown as ``run.eval_history`` says.
+        fmt: the student's ChatML ids.
+    """
+
+    cfg: OPDConfig
+    workers: Workers
+    env_factory: EnvFactory
+    train_tasks: list[str]
+    eval_tasks: list[str]
+    train_settings: EpisodeSettings
+    eval_settings: EpisodeSettings
+    fmt: ChatFormat
+
+
+def no_rules(cfg: OPDConfig, source: str) -> None:
+    """An algorithm that adds no rule of its own to the recipe's."""
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """What an algorithm module declares (its last lines), read by the driver and the config.
+
+    Attributes:
+        name: the recipe's ``algorithm:`` value (its key in :data:`opd.algorithms.ALGORITHMS`).
+        train_step: ``(ctx, step) -> metrics``: one training step, top to bottom.
+        check_config: ``(cfg, source)`` raises :class:`opd.schema.ConfigError` for a recipe this
+            algorithm cannot run, naming the key; called when the recipe is loaded.
+        uses_teacher: whether it consults the teacher; losses that need the teacher's grades
+            (``needs_teacher``) are refused when it does not.
+        masks: the named token masks its batches carry (:attr:`opd.trajectory.TokenBatch.masks_BT`);
+            a loss that trains on one of them (``token_mask``) is refused by the others.
+        eval_history: how evaluation shows past turns when ``run.eval_history`` is ``auto``.
+    """
+
+    name: str
+    train_step: Callable[[RunContext, int], dict[str, float]]
+    check_config: Callable[[OPDConfig, str], None] = no_rules
+    uses_teacher: bool = True
+    masks: tuple[str, ...] = ()
+    eval_history: Literal["full", "state_grounded"] = "full"
+
+
+def require_groups(cfg: OPDConfig, source: str, name: str) -> None:
+    """The rule of algorithms that compare episodes of the same task (GRPO advantages)."""
+    if cfg.rollout.group_size < 2:
+        raise ConfigError(f"{source}: key 'rollout.group_size' is {cfg.rollout.group_size}; algorithm "
+                          f"{name!r} compares episodes of the same task, so it needs groups of 2 or more.")

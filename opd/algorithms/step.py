@@ -1,0 +1,143 @@
+"""The pieces every algorithm's step shares, so that each algorithm file shows only its own.
+
+A step is: draw the step's tasks and seed (:func:`step_tasks`), collect episodes, have the teacher
+score them, build the :class:`opd.trajectory.TokenBatch`, train, sync the weights
+(:func:`train_and_sync`), and report what happened (:func:`episode_metrics`, :class:`StepClock`).
+The algorithms call these in their own order, with their own steps in between.
+
+Example:
+    >>> clock = StepClock()  # doctest: +SKIP
+    >>> tasks, seed = step_tasks(ctx, step)  # doctest: +SKIP
+    >>> trajs, gen = ctx.workers.collect("student", ctx.env_factory, tasks, ctx.train_settings, seed)  # doctest: +SKIP
+    >>> clock.lap("generation")  # doctest: +SKIP
+    >>> metrics = train_and_sync(ctx, build_token_batch(trajs, None, ctx.fmt.pad_id, ctx.fmt), clock)  # doctest: +SKIP
+    >>> return clock.finish(metrics)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import replace
+
+import torch
+
+from opd.algorithms.base import RunContext
+from opd.chat import ChatFormat, student_sequence
+from opd.generation.base import TokenScores
+from opd.losses import group_advantages
+from opd.schema import OPDConfig
+from opd.supervision.teacher_view import with_teacher_scores
+from opd.trajectory import TokenBatch, Trajectory, success_rate
+
+
+# -- tasks and seeds ---------------------------------------------------------------------------
+def sample_tasks(tasks: list[str], n: int, seed: int, step: int, group_size: int = 1) -> list[str]:
+    """Step ``step``'s training tasks, each repeated ``group_size`` times in a row: a pure
+    function of (seed, step), so a resumed run draws exactly the tasks an uninterrupted one would."""
+    rng = random.Random(f"{seed}:{step}")
+    return [task for _ in range(n // group_size) for task in [tasks[rng.randrange(len(tasks))]] * group_size]
+
+
+def step_seed(cfg: OPDConfig, step: int) -> int:
+    """The sampling seed of step ``step``: a pure function of (run seed, step), as the tasks are."""
+    return cfg.run.seed * 100003 + step
+
+
+def step_tasks(ctx: RunContext, step: int) -> tuple[list[str], int]:
+    """Step ``step``'s training tasks (``rollout.episodes_per_step``, in groups of
+    ``rollout.group_size``) and its sampling seed."""
+    rollout = ctx.cfg.rollout
+    return sample_tasks(ctx.train_tasks, rollout.episodes_per_step, ctx.cfg.run.seed, step, rollout.group_size), \
+        step_seed(ctx.cfg, step)
+
+
+# -- the batch -----------------------------------------------------------------------------------
+def with_group_advantages(batch: TokenBatch, trajs: list[Trajectory], group_size: int) -> TokenBatch:
+    """``batch`` (one row per trajectory, in order) with each row's group-relative advantage of
+    its episode's return; a group is ``group_size`` consecutive trajectories (the same task)."""
+    rewards = torch.tensor([traj.total_reward for traj in trajs])
+    groups = torch.arange(len(trajs)) // max(1, group_size)
+    return replace(batch, advantage_B=group_advantages(rewards, groups))
+
+
+def build_token_batch(trajs: list[Trajectory], scores: list[TokenScores] | None, pad_id: int, fmt: ChatFormat,
+                      group_size: int = 1) -> TokenBatch:
+    """One row per trajectory (the student's own view, :func:`opd.chat.student_sequence`) with the
+    teacher's scores placed on its response tokens (none for ``scores=None``, e.g. GRPO), and
+    group-relative advantages of the episodes' returns (groups of ``group_size`` consecutive
+    trajectories, which played the same task)."""
+    rows = [student_sequence(traj, fmt) for traj in trajs]
+    batch = TokenBatch.from_rows(rows, pad_id)
+    if scores:
+        # Token n of a trajectory's flat scores sits at the n-th response position of its row.
+        positions = [[p for start, end in row["response_positions"] for p in range(start, end)] for row in rows]
+        batch = with_teacher_scores(batch, positions, scores)
+    return with_group_advantages(batch, trajs, group_size)
+
+
+# -- train, sync, report --------------------------------------------------------------------------
+class StepClock:
+    """Wall time of a step's phases: :meth:`lap` closes the phase that ran since the last lap.
+
+    :meth:`finish` reports each as ``time/<phase>_s``, the four phases every step reports
+    (``generation``, ``teacher_scoring``, ``training``, ``weight_sync``) at 0 where a step has
+    no such phase, and ``time/step_s`` from the clock's creation.
+    """
+
+    PHASES = ("generation", "teacher_scoring", "training", "weight_sync")
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = now - self.last
+        self.last = now
+
+    def record(self, phase: str, seconds: float) -> None:
+        """A phase timed elsewhere (e.g. inside a worker); the lap still starts here."""
+        self.lap(phase)
+        self.seconds[phase] = seconds
+
+    def finish(self, metrics: dict[str, float]) -> dict[str, float]:
+        """``metrics`` with the phases' times and the step's total."""
+        times = {f"time/{phase}_s": 0.0 for phase in self.PHASES}
+        times.update({f"time/{phase}_s": seconds for phase, seconds in self.seconds.items()})
+        return {**metrics, **times, "time/step_s": time.perf_counter() - self.start}
+
+
+def train_and_sync(ctx: RunContext, batch: TokenBatch, clock: StepClock) -> dict[str, float]:
+    """Train on ``batch`` (timed as the ``training`` phase from the clock's last lap, so building
+    the batch counts), then sync the weights to the rollout engine (``weight_sync``). Returns the
+    trainer's metrics, without its own inner timings."""
+    train_metrics = ctx.workers.train(batch)
+    clock.lap("training")
+    clock.record("weight_sync", ctx.workers.sync_weights()["weight_sync_s"])
+    return {k: v for k, v in train_metrics.items() if not k.startswith("time/")}
+
+
+def episode_metrics(trajs: list[Trajectory], gen: dict[str, float]) -> dict[str, float]:
+    """What every algorithm logs about a step's episodes and their generation."""
+    turns = [turn for t in trajs for turn in t.turns]
+    return {
+        "success": success_rate(trajs),
+        "turns_per_episode": len(turns) / max(len(trajs), 1),
+        "env_errors": float(sum(t.end_reason == "env_error" for t in trajs)),
+        "env_restarts": gen.get("env_restarts", 0.0),
+        "valid_action_rate": sum(bool(turn.info.get("valid_action", False)) for turn in turns) / max(len(turns), 1),
+        "tokens_per_s": gen["generated_tokens"] / max(gen["generation_s"], 1e-9),
+    }
+
+
+def teacher_metrics(scores: list[TokenScores]) -> dict[str, float]:
+    """The size of the teacher's answer, which crosses from its worker to the trainer."""
+    return {"teacher_payload_mb": sum(s.nbytes() for s in scores) / 2**20}
+
+
+def with_reverse_kl_headline(metrics: dict[str, float]) -> dict[str, float]:
+    """``metrics`` with ``reverse_kl_per_token``, the first loss term's reverse KL to the teacher
+    (what the progress line and the report plot show), when a term reports one."""
+    reverse_kl = [v for k, v in metrics.items() if k.endswith("/reverse_kl")]
+    return {**metrics, "reverse_kl_per_token": reverse_kl[0]} if reverse_kl else metrics

@@ -1,0 +1,223 @@
+"""The recipe's schema: one structured config for every run, as typed dataclasses.
+
+A recipe is a YAML file that binds to :class:`OPDConfig` (:func:`opd.config.load_config` loads and
+validates it). A field's type says what it takes: a choice among strings is a ``Literal`` of them,
+checked when the recipe binds, so the choices live with the field; the comment after each field
+says what it means. Every layer may read this module: it imports nothing of opd's.
+
+Example:
+    >>> cfg = OmegaConf.structured(OPDConfig)  # doctest: +SKIP
+    >>> cfg.supervision.scoring  # doctest: +SKIP
+    'sampled'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, get_args
+
+from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot run; the message says which key and how to fix it."""
+
+
+TeacherView = Literal["state_grounded", "full"]
+ScoringMode = Literal["sampled", "topk", "full"]
+SCORING_MODES: tuple[str, ...] = get_args(ScoringMode)
+
+
+@dataclass
+class TinyArchConfig:
+    """Shape of a tiny Qwen3 model built from scratch (tests and the quickstart)."""
+
+    hidden_size: int = 128  # model width
+    num_layers: int = 2  # transformer blocks
+    num_heads: int = 2  # attention heads; head_dim is fixed at 64 (vLLM's CPU attention needs it)
+    intermediate_size: int = 384  # MLP width
+
+
+@dataclass
+class BootstrapConfig:
+    """Build a tiny model by SFT on a scripted policy's trajectories, cached by content hash.
+
+    The quickstart uses this to make its own teacher (SFT on the environment's expert) and its
+    student (SFT on uniformly random valid actions: it knows the format but not the task).
+    """
+
+    policy: Literal["expert", "random_valid"] = "expert"  # whose trajectories the model imitates
+    arch: TinyArchConfig = field(default_factory=TinyArchConfig)
+    n_episodes: int = 2000  # scripted episodes on the train split
+    explore_prob: float = 0.0  # chance a turn plays a random valid move (not trained on), so the
+    # model also sees, and learns to recover from, states off the scripted policy's path
+    sft_steps: int = 1500  # optimizer steps
+    batch_size: int = 32  # sequences per SFT step
+    learning_rate: float = 2e-3  # AdamW learning rate (cosine decay)
+    tokenizer_vocab_size: int = 320  # byte-level BPE trained on the environment's text
+    corpus_episodes: int = 300  # random episodes whose text trains that BPE
+    tokenizer: str = ""  # "": that trained BPE; "smollm2": SmolLM2's own (offline); or a tokenizer directory
+    think: Literal["", "plan"] = ""  # "": the response is the action; "plan": a <think> block (state and plan) before it
+    action_only_prob: float = 0.0  # share of turns also trained in ActFirst's action-only prompts
+    history: Literal["full", "state_grounded"] = "full"  # what past turns show in the SFT rows: full (their whole response) |
+    # state_grounded (their action only; one packed row per episode, each response a branch):
+    # the view a state-grounded teacher scores in
+    hint_prob: float = 0.0  # share of turns also trained with PivotOPD's hint line (the self-teacher reads hints)
+    seed: Optional[int] = None  # model seed; None: run.seed (teacher) / run.seed + 1 (student)
+    cache_dir: str = "~/.cache/opd/bootstrap"  # where built models are kept between runs
+
+
+@dataclass
+class ModelConfig:
+    """A causal LM named by hub id or local directory, or built by ``bootstrap``."""
+
+    path: str = ""  # hub id or local dir; empty when ``bootstrap`` builds the model
+    engine: Literal["hf", "vllm", "auto"] = "auto"  # auto: vllm when this role's actor has a GPU, hf on CPU
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights and compute
+    trust_remote_code: bool = False  # run code shipped with the model; off unless you trust it
+    allow_download: bool = False  # let a hub id that is not in the local cache be downloaded
+    prefix_cache_mb: float = 256.0  # hf engine: KV of recent prompts reused by prompts extending them (0: off)
+    bootstrap: Optional[BootstrapConfig] = None  # build a tiny model instead of loading one
+
+
+@dataclass
+class EnvConfig:
+    """The environment, by registered id, and which task splits train and evaluate."""
+
+    id: str = MISSING  # registered gymnasium id, e.g. opd/FrozenLakeText-v0
+    kwargs: dict[str, Any] = field(default_factory=dict)  # constructor keyword arguments
+    train_split: str = "train"  # tasks the student trains on
+    eval_split: str = "eval"  # held-out tasks for evaluation
+    module: str = ""  # a module to import first, registering an env that lives in your own package
+    isolation: Literal["subprocess", "inprocess"] = "subprocess"  # subprocess: each episode's env in a child process
+    timeout_s: float = 60.0  # a reset or step slower than this counts as hung: the episode is marked
+
+
+@dataclass
+class RolloutConfig:
+    """How the student plays: episodes per step and sampling."""
+
+    episodes_per_step: int = 32  # episodes collected per training step
+    max_new_tokens: int = 16  # response budget per turn
+    temperature: float = 1.0  # sampling temperature; the trainer's policy is softmax(logits / temperature)
+    group_size: int = 1  # episodes per task in a step (GRPO groups for ppo_clip); divides episodes_per_step
+    max_context_tokens: int = 2048  # an episode whose context would exceed this is truncated
+    system_prompt: str = ""  # optional system message before the task
+
+
+@dataclass
+class SupervisionConfig:
+    """What the teacher sees and what it returns."""
+
+    teacher_view: TeacherView = "state_grounded"  # state_grounded: task, executed actions, observations | full: the student's own history
+    scoring: ScoringMode = "sampled"  # sampled (teacher logprob of each student token) | topk | full (whole vocabulary)
+    top_k: int = 20  # ids per position for scoring: topk
+    cross_tokenizer: bool = False  # teacher tokenizer differs: re-tokenise text, align spans (sampled only)
+    score_batch_size: int = 16  # trajectories per teacher forward
+    score_batch_tokens: int = 4096  # cap on a teacher forward's padded tokens (HF engine); 0: no cap
+
+
+@dataclass
+class ActFirstConfig:
+    """ActFirst-OPD (``algorithm: actfirst_opd``): act by inverse dynamics along a reference, then
+    generate the full think-then-act responses off the critical path."""
+
+    inverse_dynamics: bool = True  # false: the "w/o ID" ablation, fast actions with no reference
+    reference_source: Literal["expert", "teacher", "dataset"] = "expert"  # the env's expert | the teacher's rollouts | a dataset
+    reference_dataset: str = ""  # reference_source: dataset: a user's dataset (see docs/actfirst.md)
+    references_dir: str = ""  # where built references live; "": under bootstrap's cache, keyed by content
+    keep_failed_references: bool = False  # keep references that did not succeed
+    action_max_new_tokens: int = 8  # token budget of a fast (action-only) turn
+    transition_check: Literal["exact", "env"] = "exact"  # exact (normalised text) | env (the environment's own comparator)
+    decode_during_env_steps: bool = True  # the stream decodes the full responses while the environments
+    # step (env.isolation: subprocess); false: it waits, and a rollout is bitwise reproducible for a seed
+
+
+@dataclass
+class PivotConfig:
+    """PivotOPD (``algorithm: pivot_opd``): find the pivotal mistake in failed rollouts, prevent it
+    (reverse KL) and teach recovery (forward KL to a hinted self-teacher), in one PPO update.
+    The terms and their weights (lambda_prev, lambda_rec) are the recipe's ``losses``:
+    ``ppo_clip``, ``pivot_preventive`` and ``pivot_recovery``."""
+
+    finder: Literal["judge", "teacher_logprob", "kl", "expert"] = "teacher_logprob"  # judge: the teacher reads the transcript
+    judge_fallback: Literal["teacher_logprob", "kl", "expert"] = "teacher_logprob"  # heuristic used when the judge's answer does not parse
+    hint_source: Literal["teacher", "expert"] = "teacher"  # heuristic finders: gold/recovery actions from the teacher's greedy play | the expert
+    recovery_turns: int = 2  # k: turns after the pivot trained toward the self-teacher
+    judge_max_new_tokens: int = 96  # token budget of the teacher's judgement
+    hint_top_k: int = 20  # self-teacher distribution kept per position (top-k + tail)
+
+
+@dataclass
+class LossConfig:
+    """One term of the loss: a registered name or a dotted path to ``fn(batch, cfg)``."""
+
+    name: str = MISSING  # e.g. reverse_kl, or my_pkg.my_module.my_loss
+    weight: float = 1.0  # multiplier in the weighted sum
+    args: dict[str, Any] = field(default_factory=dict)  # passed to the loss as ``cfg``
+
+
+@dataclass
+class TrainerConfig:
+    """The DeepSpeed student trainer."""
+
+    learning_rate: float = 1e-4  # AdamW learning rate
+    warmup_steps: int = 10  # linear learning-rate warm-up; Adam's first steps are full-size otherwise
+    lr_schedule: Literal["constant", "cosine"] = "constant"  # cosine: to min_lr_ratio at run.total_steps
+    min_lr_ratio: float = 0.1  # final learning rate / peak, for the cosine schedule
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.999  # AdamW beta2
+    grad_clip_norm: float = 1.0  # global gradient-norm clip
+    zero_stage: Literal[0, 1, 2, 3] = 0  # DeepSpeed ZeRO stage
+    micro_batch_size: int = 32  # sequences per forward/backward; must divide episodes_per_step
+    micro_batch_tokens: int = 4096  # cap on a micro-batch's padded tokens (rows x its longest row); 0: no cap
+    max_nonfinite_steps: int = 3  # consecutive steps with a NaN/inf loss before the run stops
+
+
+@dataclass
+class RunConfig:
+    """Length, seeds, evaluation and checkpoint cadence, where the run directory lives."""
+
+    total_steps: int = 100  # training steps
+    seed: int = 0  # seeds tasks, sampling and model init
+    output_dir: str = "runs/default"  # run directory
+    eval_every_steps: int = 0  # 0: evaluate only before and after training
+    eval_episodes: int = 100  # held-out episodes per evaluation (greedy)
+    eval_history: Literal["auto", "full", "state_grounded"] = "auto"  # what past turns show: full (whole responses) |
+    # state_grounded (actions only) | auto (the algorithm's choice, resolved at load)
+    save_every_steps: int = 25  # checkpoint cadence; 0: only at the end
+    keep_checkpoints: int = 2  # newest complete checkpoints kept
+
+
+@dataclass
+class ResourcesConfig:
+    """Ray placement. On one machine a local Ray starts; ``RAY_ADDRESS`` joins a cluster."""
+
+    num_cpus: int = 0  # CPUs for a local Ray; 0: all of this machine's
+    teacher_cpus: float = 0.5  # CPU share of the TeacherWorker actor
+    rollout_cpus: float = 0.5  # CPU share of the RolloutWorker actor
+    trainer_cpus: float = 1.0  # CPU share of the StudentTrainer actor
+    teacher_gpus: float = 0.0  # GPUs of the TeacherWorker actor
+    rollout_gpus: float = 0.0  # GPUs of the RolloutWorker actor
+    trainer_gpus: float = 0.0  # GPUs of the StudentTrainer actor
+    torch_threads: int = 0  # intra-op threads per actor; 0: the machine's core count
+
+
+@dataclass
+class OPDConfig:
+    """A whole run. Sections map one-to-one onto the boxes of the loop (docs/architecture.md)."""
+
+    name: str = "run"  # a label for logs
+    algorithm: str = "vanilla_opd"  # a registered algorithm (opd.algorithms.ALGORITHMS): vanilla_opd | grpo | pivot_opd | actfirst_opd
+    student: ModelConfig = field(default_factory=ModelConfig)
+    teacher: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
+    actfirst: ActFirstConfig = field(default_factory=ActFirstConfig)
+    pivot: PivotConfig = field(default_factory=PivotConfig)
+    losses: list[LossConfig] = field(default_factory=lambda: [LossConfig(name="reverse_kl")])
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
