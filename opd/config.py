@@ -21,12 +21,15 @@ import os
 import re
 import typing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
 from opd.schema import ConfigError, OPDConfig
+
+if TYPE_CHECKING:
+    from opd.algorithms.base import Algorithm
 
 __all__ = ["ConfigError", "OPDConfig", "load_config", "resolve_engine", "to_yaml", "validate"]
 
@@ -213,7 +216,7 @@ def validate(cfg: Any, source: str = "config") -> None:
     _validate_resources(cfg.resources, source)
 
 
-def _validate_losses(cfg: Any, algorithm: Any, source: str) -> None:
+def _validate_losses(cfg: Any, algorithm: Algorithm, source: str) -> None:
     """Every loss resolves, and the algorithm feeds what each one reads."""
     from opd.algorithms import ALGORITHMS, get_algorithm
     from opd.losses import loss_traits
@@ -235,8 +238,11 @@ def _validate_losses(cfg: Any, algorithm: Any, source: str) -> None:
     if unfed:
         masks = {traits[name]["token_mask"] for name in unfed}
         feeders = [name for name in ALGORITHMS if masks <= set(get_algorithm(name).masks)]
+        if not feeders:
+            raise ConfigError(f"{source}: key 'losses' names {unfed}, which train on the token mask(s) {sorted(masks)} "
+                              "that no registered algorithm's batches carry.")
         raise ConfigError(f"{source}: key 'losses' names {unfed}, which only algorithm "
-                          f"{' / '.join(map(repr, feeders)) or '(none registered)'} feeds.")
+                          f"{' / '.join(map(repr, feeders))} feeds.")
 
 
 def resolve_engine(engine: str, gpus: float) -> str:

@@ -152,3 +152,17 @@ def test_engine_auto_is_hf_on_cpu_and_vllm_for_a_role_on_a_gpu(tmp_path):
 def test_an_algorithm_refuses_a_recipe_it_cannot_run(tmp_path, algorithm, overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(ROOT / "recipes" / "quickstart.yaml", [f"algorithm={algorithm}", *overrides])
+
+
+
+def mask_loss(batch, cfg):
+    """A user's loss named by dotted path that trains on a named mask no algorithm carries."""
+    return batch.restricted_to("no_such_mask").student_logprobs_BT.sum() * 0.0, {}
+
+
+mask_loss.token_mask = "no_such_mask"
+
+
+def test_a_loss_on_a_mask_no_algorithm_carries_is_refused():
+    with pytest.raises(ConfigError, match=re.escape("train on the token mask(s) ['no_such_mask'] that no registered")):
+        load_config(ROOT / "recipes" / "quickstart.yaml", ["losses=[{name: tests.unit.test_config.mask_loss}]"])
