@@ -47,7 +47,7 @@ from typing import Any, Callable
 import torch
 from omegaconf import OmegaConf
 
-from opd.chat import ChatFormat, action_only_prompt_ids, first_prompt_ids, next_prompt_ids, student_sequence
+from opd.chat import ChatFormat, action_only_prompt_ids, standard_prompt_ids, student_sequence
 from opd.envs import EnvFactory
 from opd.losses import sft as sft_loss
 from opd.models import (load_tokenizer, save_directory_atomically, save_model, smollm2_tokenizer_dir, tiny_qwen3,
@@ -197,7 +197,7 @@ def _sft_row(steps: list[tuple[str, str, bool]], task: str, tokenizer, fmt: Chat
     """
     traj = Trajectory(task=task)
     for k, (obs, action, _) in enumerate(steps[:-1]):
-        prompt = first_prompt_ids(fmt, tokenizer, obs) if k == 0 else next_prompt_ids(fmt, tokenizer, obs)
+        prompt = standard_prompt_ids(fmt, tokenizer, obs, first=k == 0)
         response, start = _response_ids(obs, action, tokenizer, fmt, think)
         traj.turns.append(Turn(prompt_ids=prompt, response_ids=response, response_logprobs=[0.0] * len(response),
                                action_start=start, action_end=len(response) - 1, action_text=action))
@@ -233,7 +233,7 @@ def _actfirst_rows(steps: list[tuple[str, str, bool]], tokenizer, fmt: ChatForma
     history: list[int] = []
     for k, (obs, action, train_on) in enumerate(steps[:-1]):
         action_ids = tokenizer.encode(action, add_special_tokens=False)
-        standard = first_prompt_ids(fmt, tokenizer, obs) if k == 0 else next_prompt_ids(fmt, tokenizer, obs)
+        standard = standard_prompt_ids(fmt, tokenizer, obs, first=k == 0)
         if rng.random() < prob:
             layout = rng.choice(formats) if train_on else "reference"
             if layout == "standard":

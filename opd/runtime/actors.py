@@ -133,45 +133,37 @@ class RayWorkers:
     def _host(self, who: Role):
         return self.rollout if who == "student" else self.teacher
 
-    def collect(self, who: Role, env_factory, tasks: list[str], settings, seed: int):
-        import ray
+    @staticmethod
+    def _await(ref: Any) -> Any:
+        import ray  # here, not at import: the module's plain classes run without Ray
 
-        return ray.get(self._host(who).collect.remote(env_factory, tasks, settings, seed))
+        return ray.get(ref)
+
+    def collect(self, who: Role, env_factory, tasks: list[str], settings, seed: int):
+        return self._await(self._host(who).collect.remote(env_factory, tasks, settings, seed))
 
     def score(self, trajs: list[Trajectory], supervision: Any) -> list:
-        import ray
-
-        return ray.get(self.teacher.score.remote(trajs, supervision))
+        return self._await(self.teacher.score.remote(trajs, supervision))
 
     def train(self, batch) -> dict[str, float]:
-        import ray
-
-        return ray.get(self.trainer.train_step.remote(batch))
+        return self._await(self.trainer.train_step.remote(batch))
 
     def sync_weights(self) -> dict[str, float]:
         """Trainer -> rollout engine, in place: the weights are put in the object store once."""
-        import ray
-
         start = time.perf_counter()
         weights_ref = self.trainer.export_weights.remote()
-        load_s = ray.get(self.rollout.update_weights.remote(weights_ref))
+        load_s = self._await(self.rollout.update_weights.remote(weights_ref))
         return {"weight_sync_s": time.perf_counter() - start, "weight_load_s": load_s}
 
     def run(self, who: Role, fn: Callable[..., Any], *args: Any) -> Any:
-        import ray
-
-        return ray.get(self._host(who).run.remote(fn, *args))
+        return self._await(self._host(who).run.remote(fn, *args))
 
     def save_checkpoint(self, directory: str) -> None:
         """The trainer's state and HF export into ``directory`` (see :mod:`opd.training.checkpoint`)."""
-        import ray
-
-        ray.get(self.trainer.save_checkpoint.remote(directory))
+        self._await(self.trainer.save_checkpoint.remote(directory))
 
     def load_checkpoint(self, directory: str) -> None:
-        import ray
-
-        ray.get(self.trainer.load_checkpoint.remote(directory))
+        self._await(self.trainer.load_checkpoint.remote(directory))
 
 
 def init_ray(resources: Any) -> None:
