@@ -13,6 +13,17 @@ Where this departs from BFCL's own inference loop, and why:
     * Replies are parsed with ``ast`` and only literal arguments are accepted; each call is
       re-rendered from its literals before the backend (which ``eval``s strings) sees it, so a
       reply cannot run arbitrary code. BFCL's decoder ``eval``s some argument expressions.
+    * Literals are bounded: a reply holds at most 65,536 characters, an integer at most 100
+      digits, a string at most 16,384 characters, and a float must be finite; anything else is an
+      invalid action. Python would raise past 4,300 digits (its int-string conversion limit), and
+      ``1e400`` renders as ``inf``, which the backend cannot evaluate.
+    * The backend qualifies calls textually: ``_process_method_calls`` puts its instance name
+      before every ``name(`` in the call string, string contents included, so
+      ``touch(file_name='run ls() then cd(x)')`` would create a file named
+      ``'run opd_..._instance.ls() then opd_..._instance.cd(x)'``. The env writes each ``(``
+      inside a string literal as ``\\x28`` (``Call.backend_source``), which evaluates to the same
+      string and leaves nothing for the substitution to match. The bundled ground truth has no
+      ``(`` inside a string, so the checker's own replay of it is unaffected.
     * Only the functions shown to the model may run; another name (a builtin, a held-out
       ``miss_func`` function before it is revealed) is answered with an error and not recorded.
     * A reply that does not parse is an invalid action (an observation and a penalty); BFCL would
@@ -40,6 +51,7 @@ import importlib
 import importlib.resources
 import inspect
 import json
+import math
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,6 +90,11 @@ _MULTI_TURN_CLASSES = ("GorillaFileSystem", "MathAPI", "MessageAPI", "TwitterAPI
                        "TravelAPI", "VehicleControlAPI")
 _MAX_POWER_BITS = 100_000  # int ** int with a bigger result is refused (10**(10**9) would run for hours)
 _MAX_PRECISION = 1_000  # digits for logarithm / square_root; 10**5 takes seconds, 10**9 never ends
+# Reply and literal sizes. The action space's length: a 4 MB reply of small literals builds a 1.9 GB
+# syntax tree (15 s here) before any other check could refuse it.
+_MAX_REPLY_CHARS = 1 << 16
+_MAX_INT_DIGITS = 100  # the bundled ground truth's longest integer has 6 digits; Python refuses past 4,300
+_MAX_STR_CHARS = 1 << 14  # its longest string has 6,690 characters
 
 
 # ----- replies -----
@@ -98,19 +115,46 @@ class Call:
         parts = [repr(v) for v in self.args] + [f"{k}={v!r}" for k, v in self.kwargs]
         return f"{self.name}({', '.join(parts)})"
 
+    def backend_source(self) -> str:
+        """The call as source for BFCL's executor: ``render()``, with ``(`` in strings written ``\\x28``.
+
+        The executor puts its instance name before every ``name(`` in the text, string contents
+        included (see the module docstring); with no ``(`` left inside a string literal, only the
+        call itself is qualified, and ``eval`` still gives the exact string.
+        """
+        parts = [_source(v) for v in self.args] + [f"{k}={_source(v)}" for k, v in self.kwargs]
+        return f"{self.name}({', '.join(parts)})"
+
+
+def _source(value: Any) -> str:
+    if isinstance(value, (str, bytes)):
+        return repr(value).replace("(", "\\x28")  # repr writes no "(" of its own inside a string
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_source, value)) + "]"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(_source, value)) + ("," if len(value) == 1 else "") + ")"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_source(k)}: {_source(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, set):
+        return "{" + ", ".join(map(_source, value)) + "}" if value else "set()"
+    return repr(value)
+
 
 def parse_calls(text: Any) -> list[Call]:
     """Parses a reply in BFCL's Python-call syntax; ``[]`` gives an empty list (end of turn).
 
     Like BFCL's decoder it tolerates surrounding whitespace, a Markdown code fence and missing
     outer brackets (``ls()`` reads as ``[ls()]``). Unlike it, every argument must be a literal
-    (``ast.literal_eval``), so nothing is evaluated.
+    (``ast.literal_eval``), so nothing is evaluated, and the reply and its literals are bounded
+    (65,536 characters; integers of 100 digits, strings of 16,384 characters, finite floats).
 
     Raises:
         ActionError: If the reply is not such a list; the message names the problem.
     """
     if not isinstance(text, str):
         raise ActionError(f"the reply must be text, got {type(text).__name__}")
+    if len(text) > _MAX_REPLY_CHARS:
+        raise ActionError(f"it has {len(text)} characters; at most {_MAX_REPLY_CHARS}")
     source = text.strip()
     if source.startswith("```"):  # ```python\n[...]\n```
         source = source.partition("\n")[2] if "\n" in source else source[3:]
@@ -125,6 +169,8 @@ def parse_calls(text: Any) -> list[Call]:
     try:
         body = ast.parse(source, mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        if "integer string conversion" in str(exc):  # a decimal literal past Python's 4,300 digits
+            raise ActionError(f"integer literal too long: a number has more than {_MAX_INT_DIGITS} digits") from None
         raise ActionError(f"it is not valid Python call syntax ({type(exc).__name__}: {exc})") from None
     if not isinstance(body, ast.List):
         raise ActionError("it is not a list of function calls")
@@ -144,6 +190,7 @@ def _parse_call(node: ast.expr) -> Call:
             raise ActionError(
                 f"argument {_snippet(value)!r} of {node.func.id} is not a literal (string, number, list, dict...)"
             ) from None
+        _check_size(values[-1], node.func.id)
     names = [kw.arg for kw in node.keywords]
     if None in names:
         raise ActionError(f"{_snippet(node)!r} unpacks arguments with **; write each one out")
@@ -152,6 +199,28 @@ def _parse_call(node: ast.expr) -> Call:
     n_args = len(node.args)
     kwargs = tuple((kw.arg, v) for kw, v in zip(node.keywords, values[n_args:], strict=True))
     return Call(node.func.id, tuple(values[:n_args]), kwargs)
+
+
+def _check_size(value: Any, function: str) -> None:
+    # Iterative: a nested literal as deep as literal_eval allows must not overflow the stack here.
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (str, bytes)) and len(item) > _MAX_STR_CHARS:
+            raise ActionError(f"string literal too long: an argument of {function} has {len(item)} characters; "
+                              f"at most {_MAX_STR_CHARS}")
+        if isinstance(item, int) and abs(item) >= 10**_MAX_INT_DIGITS:  # no str(): it raises past 4,300 digits
+            raise ActionError(f"integer literal too long: an argument of {function} has more than "
+                              f"{_MAX_INT_DIGITS} digits")
+        if (isinstance(item, float) and not math.isfinite(item)) \
+                or (isinstance(item, complex) and not (math.isfinite(item.real) and math.isfinite(item.imag))):
+            raise ActionError(f"float literal out of range: an argument of {function} is {item!r}; "
+                              "numbers must be finite")
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set)):
+            stack.extend(item)
 
 
 def _snippet(node: ast.AST) -> str:
@@ -434,7 +503,7 @@ class BFCLMultiTurnEnv(TextEnv):
                        if call.name not in self._functions else unbounded_work(call, self._entry))
             results.append(f"Error during execution: {refusal}" if refusal else "")
             if not refusal:
-                runnable.append((i, call.render()))
+                runnable.append((i, call.backend_source()))
         if runnable:
             try:
                 outputs, self._instances = execute_calls(self._entry, self._instances, [c for _, c in runnable])
@@ -442,9 +511,8 @@ class BFCLMultiTurnEnv(TextEnv):
                 outputs = [f"Error during execution: {type(exc).__name__}: {exc}"] * len(runnable)
             for (i, _), output in zip(runnable, outputs, strict=True):
                 results[i] = output
-            rendered = [c for _, c in runnable]
-            self._turn_calls.extend(rendered)
-            self._decoded[-1].append(rendered)
+            self._turn_calls.extend(calls[i].render() for i, _ in runnable)  # the expert compares renders
+            self._decoded[-1].append([c for _, c in runnable])  # the checker replays them through the backend
         return "\n".join(f"{call.render()} -> {self._cut(result)}" for call, result in zip(calls, results, strict=True))
 
     def _cut(self, text: str) -> str:

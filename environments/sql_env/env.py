@@ -13,8 +13,9 @@ Departures from InterCode-SQL, and why:
     * Reward is the success bit (InterCode scores a partial-overlap reward); a reply that does not
       run (empty, refused or an SQLite error) costs ``invalid_action_penalty``.
     * Queries are guarded: read-only URI, an authorizer that allows reading only (no PRAGMA,
-      ATTACH, writes, ``random()``), a length limit on values, a wall-clock limit through SQLite's
-      progress handler, and a cap on rows read back.
+      ATTACH, writes) and only the SQL functions in ``ALLOWED_FUNCTIONS``, SQLite limits on the
+      size of one value, one row and one statement, a wall-clock limit through SQLite's progress
+      handler, and caps on the rows and the bytes read back.
     * Gold answers never depend on ties: a template instance is dropped when its gold result
       changes under ``PRAGMA reverse_unordered_selects`` (ties broken by row order).
 
@@ -53,14 +54,53 @@ INSTRUCTION = (
     f"the question exactly (the right columns, rows and, if asked, order), reply {SUBMIT}.\n"
 )
 _ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
-# random() would break same-seed determinism; printf/format pad inside one VM step, so the
-# progress handler cannot stop printf('%.*c', 1000000000, 'x') (11 s here).
-_DENIED_FUNCTIONS = {"random", "randomblob", "printf", "format"}
+# The SQL functions a query may call: what text-to-SQL over these schemas uses, all deterministic
+# and bounded by the limits below. An allow-list, because the build's function set is not ours to
+# audit (Debian's SQLite compiles in fts3_tokenizer(), which returns a process address and, with
+# two arguments, installs a function pointer). Left out on purpose, among others:
+#   random, randomblob: break same-seed determinism (randomblob is also a memory bomb);
+#   zeroblob: only builds big values, which nothing here needs;
+#   printf, format: pad inside one VM step, so the progress handler cannot stop
+#     printf('%.*c', 1000000000, 'x') (6.5 s here even under the value limit);
+#   fts3_tokenizer, load_extension, readfile, writefile: native code and files;
+#   current_date, current_time, current_timestamp: results that change with the day;
+#   sqlite_version, sqlite_compileoption_*, changes, json_*: no use on these tasks.
+ALLOWED_FUNCTIONS: frozenset[str] = frozenset({
+    # scalar
+    "abs", "char", "coalesce", "glob", "hex", "ifnull", "iif", "instr", "length", "like", "likelihood",
+    "likely", "lower", "ltrim", "max", "min", "nullif", "octet_length", "quote", "replace", "round", "rtrim",
+    "sign", "substr", "substring", "trim", "typeof", "unicode", "unlikely", "upper",
+    # date and time (date('now') is still possible: the authorizer sees names, not arguments)
+    "date", "datetime", "julianday", "strftime", "time", "timediff", "unixepoch",
+    # aggregate (max and min above)
+    "avg", "count", "group_concat", "string_agg", "sum", "total",
+    # window
+    "cume_dist", "dense_rank", "first_value", "lag", "last_value", "lead", "nth_value", "ntile",
+    "percent_rank", "rank", "row_number",
+    # math (SQLITE_ENABLE_MATH_FUNCTIONS)
+    "acos", "acosh", "asin", "asinh", "atan", "atan2", "atanh", "ceil", "ceiling", "cos", "cosh", "degrees",
+    "exp", "floor", "ln", "log", "log10", "log2", "mod", "pi", "pow", "power", "radians", "sin", "sinh", "sqrt",
+    "tan", "tanh", "trunc",
+})
 _ORDER_BY = re.compile(r"\border\s+by\b", re.IGNORECASE)
 _FENCE = re.compile(r"^```[a-zA-Z]*\s*\n?(.*?)\n?```$", re.DOTALL)
-_MAX_VALUE_BYTES = 100_000  # SQLITE_LIMIT_LENGTH: no multi-GB zeroblob()/printf() values
-_MAX_PATTERN_CHARS = 200  # LIKE/GLOB patterns are matched inside one VM step too
+# Per-connection SQLite limits (sqlite3_limit). They bound what SQLite itself allocates during a
+# query: one value (and so any string a recursive CTE, replace() or group_concat() builds), one
+# row, the statement and its compiled program. Sorts, DISTINCT and CTE queues spill to temp files
+# past the page cache (``PRAGMA temp_store = FILE``). No heap limit: sqlite3_hard_heap_limit64 is
+# process-wide and can only be lowered, so it would also fail every other SQLite user in the
+# process.
+_SQLITE_LIMITS = {
+    sqlite3.SQLITE_LIMIT_LENGTH: 100_000,  # bytes in one value: zeroblob(10**9), s || s... fail at once
+    sqlite3.SQLITE_LIMIT_COLUMN: 64,  # columns of a result row: one row holds at most 64 x 100 kB
+    sqlite3.SQLITE_LIMIT_SQL_LENGTH: 1 << 16,  # bytes of a statement, as the env's action space
+    sqlite3.SQLITE_LIMIT_VDBE_OP: 100_000,  # instructions of the compiled program (gold queries: < 200)
+    sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH: 200,  # LIKE/GLOB patterns are matched inside one VM step too
+    sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER: 0,  # no bound parameters; ?250000 would allocate 250,000 slots
+    sqlite3.SQLITE_LIMIT_ATTACHED: 0,  # the authorizer refuses ATTACH already
+}
 _PROGRESS_OPS = 1_000  # SQLite VM instructions between two clock checks
+_NUMBER_BYTES = 8  # what a number or NULL counts towards the byte cap
 
 
 # ----- queries -----
@@ -75,47 +115,78 @@ class QueryResult:
 
 
 def open_readonly(path: Path) -> sqlite3.Connection:
-    """A connection that can only read ``path``: ``mode=ro`` URI plus an authorizer.
+    """A connection that can only read ``path``: ``mode=ro`` URI, SQLite limits and an authorizer.
 
-    The authorizer allows SELECT, table reads, recursive CTEs and deterministic functions;
-    everything else (writes, PRAGMA, ATTACH, transactions, ``random()``, ``printf()``) fails at
-    prepare time. Values are limited to 100 kB and LIKE patterns to 200 characters.
+    The authorizer allows SELECT, table reads, recursive CTEs and the functions in
+    ``ALLOWED_FUNCTIONS``; everything else (writes, PRAGMA, ATTACH, transactions, ``random()``,
+    ``printf()``, ``fts3_tokenizer()``...) fails at prepare time. A value is limited to 100 kB, a
+    result row to 64 columns, a statement to 64 kB and LIKE patterns to 200 characters.
     """
     conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
-    conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE_BYTES)
-    conn.setlimit(sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, _MAX_PATTERN_CHARS)
+    for limit, value in _SQLITE_LIMITS.items():
+        conn.setlimit(limit, value)
+    conn.execute("PRAGMA temp_store = FILE")  # before the authorizer, which refuses PRAGMA
     conn.set_authorizer(_authorize_reading)
     return conn
 
 
 def _authorize_reading(action: int, arg1: str | None, arg2: str | None, db: str | None, source: str | None) -> int:
-    if action not in _ALLOWED or (action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() in _DENIED_FUNCTIONS):
+    # For SQLITE_FUNCTION, arg2 is the function's name (count(*) -> "count", x LIKE y -> "like").
+    if action not in _ALLOWED or (action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() not in ALLOWED_FUNCTIONS):
         return sqlite3.SQLITE_DENY
     return sqlite3.SQLITE_OK
 
 
-def run_query(conn: sqlite3.Connection, sql: str, *, time_limit_s: float, max_rows: int) -> QueryResult:
+def run_query(conn: sqlite3.Connection, sql: str, *, time_limit_s: float, max_rows: int,
+              max_bytes: int | None = None) -> QueryResult:
     """Runs one statement under a wall-clock limit; never raises for a bad query.
 
+    Rows are read one at a time, so a result past ``max_bytes`` (text as UTF-8, blobs as they
+    are, 8 bytes a number or NULL) stops being read within one row of the cap; SQLite's limits
+    keep a row under 64 values of 100 kB.
+
     Returns:
-        The columns and at most ``max_rows`` rows, or ``error`` with SQLite's message
-        (``"interrupted: ..."`` when the time limit stopped it).
+        The columns and at most ``max_rows`` rows, or ``error``: SQLite's message
+        (``"interrupted: ..."`` when the time limit stopped it), or ``"result too large: ..."``.
     """
     deadline = time.monotonic() + time_limit_s
     conn.set_progress_handler(lambda: int(time.monotonic() > deadline), _PROGRESS_OPS)
     try:
         cursor = conn.execute(sql)
-        rows = cursor.fetchmany(max_rows + 1)
         columns = tuple(d[0] for d in cursor.description or ())
+        rows, size = [], 0
+        for row in cursor:
+            size += sum(_cell_bytes(value) for value in row)
+            if max_bytes is not None and size > max_bytes:
+                cursor.close()
+                n = len(rows) + 1
+                return QueryResult(error=f"result too large: over {max_bytes} bytes (max_result_bytes) after {n} "
+                                         f"row{'s' if n != 1 else ''}; select fewer rows or columns, shorter "
+                                         "values, or aggregate")
+            rows.append(row)
+            if len(rows) > max_rows:
+                break
         cursor.close()
     except (sqlite3.Error, sqlite3.Warning, ValueError, OverflowError, MemoryError) as exc:
         message = str(exc)
         if message == "interrupted":
             message = f"interrupted: the query ran past the {time_limit_s:g} s limit"
+        elif message.startswith("not authorized to use function: "):
+            message += " (allowed: common scalar, date and time, math, aggregate and window functions)"
+        elif isinstance(exc, MemoryError):  # SQLITE_NOMEM: a program past SQLITE_LIMIT_VDBE_OP, or a failed malloc
+            message = "out of memory: the statement needs more memory than this environment allows"
         return QueryResult(error=message or type(exc).__name__)
     finally:
         conn.set_progress_handler(None, 0)
     return QueryResult(columns, tuple(rows[:max_rows]), complete=len(rows) <= max_rows)
+
+
+def _cell_bytes(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, bytes):
+        return len(value)
+    return _NUMBER_BYTES
 
 
 def same_result(got: QueryResult, gold: QueryResult, *, ordered: bool) -> bool:
@@ -248,16 +319,15 @@ def _draw_params(conn: sqlite3.Connection, template: Template, per_template: int
 
 
 def _unambiguous(conn: sqlite3.Connection, gold_sql: str) -> bool:
-    # reverse_unordered_selects is a PRAGMA, which the read-only authorizer refuses; lift it briefly.
+    # The gold query runs under the same guards as a model's, so a template that needs a function
+    # outside ALLOWED_FUNCTIONS fails here, loudly, rather than as an unsolvable task.
     results = []
-    conn.set_authorizer(None)
     try:
         for reverse in (0, 1):
-            conn.execute(f"PRAGMA reverse_unordered_selects = {reverse}")
+            _reverse_unordered_selects(conn, reverse)
             results.append(run_query(conn, gold_sql, time_limit_s=10.0, max_rows=51))
     finally:
-        conn.execute("PRAGMA reverse_unordered_selects = 0")
-        conn.set_authorizer(_authorize_reading)
+        _reverse_unordered_selects(conn, 0)
     first, second = results
     if first.error is not None:
         raise RuntimeError(f"gold query failed: {first.error}\n{gold_sql}")
@@ -265,6 +335,17 @@ def _unambiguous(conn: sqlite3.Connection, gold_sql: str) -> bool:
         return False
     return same_result(second, first, ordered=True) or (
         not _ORDER_BY.search(gold_sql) and same_result(second, first, ordered=False))
+
+
+def _reverse_unordered_selects(conn: sqlite3.Connection, value: int) -> None:
+    # A PRAGMA, which the read-only authorizer refuses; lifted for this one statement only.
+    # Setting an authorizer expires every prepared statement, so the cached copy of this one is
+    # checked again, and refused, if a query repeats it.
+    conn.set_authorizer(None)
+    try:
+        conn.execute(f"PRAGMA reverse_unordered_selects = {value}")
+    finally:
+        conn.set_authorizer(_authorize_reading)
 
 
 @functools.lru_cache(maxsize=16)
@@ -317,10 +398,12 @@ class SQLTextEnv(TextEnv):
         eval_fraction: Share of questions in "eval" (by a hash of the question).
         split_seed: Salt of that hash.
         invalid_action_penalty: Reward subtracted for a reply that does not run (empty, refused,
-            an SQLite error or a timeout).
+            an SQLite error, a timeout or a result past ``max_result_bytes``).
         time_limit_s: Wall-clock limit of one query.
         max_rows_shown: Rows of a result shown in the observation.
         max_rows_read: Rows read back from a query; a bigger result never matches the gold.
+        max_result_bytes: Bytes read back from a query (the sum of its cells: text as UTF-8, 8
+            per number); a query past it is refused as "result too large" (an invalid reply).
         cache_dir: Where the generated databases are kept.
         render_mode: None or "ansi"; ``render()`` returns the current text either way.
     """
@@ -337,12 +420,13 @@ class SQLTextEnv(TextEnv):
         time_limit_s: float = 1.0,
         max_rows_shown: int = 20,
         max_rows_read: int = 10_000,
+        max_result_bytes: int = 1 << 20,
         cache_dir: str = DEFAULT_CACHE_DIR,
         render_mode: str | None = None,
     ) -> None:
         for name, value, minimum in (("max_turns", max_turns, 1), ("db_seed", db_seed, 0), ("per_template", per_template, 1),
                                      ("split_seed", split_seed, 0), ("max_rows_shown", max_rows_shown, 1),
-                                     ("max_rows_read", max_rows_read, 1)):
+                                     ("max_rows_read", max_rows_read, 1), ("max_result_bytes", max_result_bytes, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
         if isinstance(eval_fraction, bool) or not isinstance(eval_fraction, (int, float)) or not 0 < eval_fraction < 1:
@@ -362,6 +446,7 @@ class SQLTextEnv(TextEnv):
         self.time_limit_s = float(time_limit_s)
         self.max_rows_shown = max_rows_shown
         self.max_rows_read = max_rows_read
+        self.max_result_bytes = max_result_bytes
         self.cache_dir = str(cache_dir)
         self._conn: sqlite3.Connection | None = None
         self._conn_schema = ""
@@ -411,7 +496,8 @@ class SQLTextEnv(TextEnv):
             reward = 1.0 if success else 0.0
             obs = "Submitted: " + ("correct." if success else "the last result does not answer the question.")
         else:
-            result = run_query(self._database(), reply, time_limit_s=self.time_limit_s, max_rows=self.max_rows_read)
+            result = run_query(self._database(), reply, time_limit_s=self.time_limit_s, max_rows=self.max_rows_read,
+                               max_bytes=self.max_result_bytes)
             valid = result.error is None
             if valid:
                 self._last = result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import time
 
 import pytest
@@ -78,6 +79,47 @@ def test_unsafe_replies_run_nothing(action, why) -> None:
     obs, _, _, _, info = env.step(action)
     assert why in obs
     assert env._decoded == [[]]  # nothing reached the backend or the checker's record
+
+
+@pytest.mark.parametrize(("action", "why"), [
+    # 4,000 hex digits parse, but repr() of the value raised past Python's 4,300-digit limit.
+    ("[ls(a=0x" + "f" * 4000 + ")]", "integer literal too long: an argument of ls has more than 100 digits"),
+    ("[ls(a=" + "9" * 4000 + ")]", "integer literal too long: an argument of ls has more than 100 digits"),
+    ("[ls(a=" + "9" * 10_000 + ")]", "integer literal too long: a number has more than 100 digits"),
+    ("[ls(a=[1, {'k': -" + "9" * 101 + "}])]", "integer literal too long: an argument of ls has more than 100 digits"),
+    ("[ls(a=1e400)]", "float literal out of range: an argument of ls is inf; numbers must be finite"),
+    ("[ls(a=1" + "0" * 5000 + ".0)]", "float literal out of range: an argument of ls is inf; numbers must be finite"),
+    ("[echo(content='" + "x" * 20_000 + "', file_name='f')]",
+     "string literal too long: an argument of echo has 20000 characters; at most 16384"),
+    ("[ls(a=[" + "0," * 40_000 + "])]", "it has 80010 characters; at most 65536"),
+])
+def test_oversized_literals_are_invalid_actions(action, why) -> None:
+    env = BFCLMultiTurnEnv()
+    env.reset(options={"task": "multi_turn_base_0"})
+    obs, reward, terminated, truncated, info = env.step(action)
+    assert obs.startswith(f"Invalid reply: {why}. ")
+    assert (reward, terminated, truncated, info["valid_action"]) == (-0.1, False, False, False)
+    assert env._decoded == [[]]
+    assert env.step("[ls(a=" + "9" * 100 + ")]")[4]["valid_action"]  # 100 digits are fine; the episode goes on
+
+
+def test_string_arguments_reach_the_backend_unchanged() -> None:
+    # BFCL's executor prefixes every "name(" in the call text with its instance name, inside
+    # strings too; the env's rendering leaves no "(" in a string for it to match.
+    env = BFCLMultiTurnEnv()
+    env.reset(options={"task": "multi_turn_base_0"})
+    names = ["run ls() then cd(x)", "a(b", "it's (\n) ok"]
+    obs, _, _, _, info = env.step("[" + ", ".join(f"touch(file_name={n!r})" for n in names) + ", ls()]")
+    assert info["valid_action"] and "_instance" not in obs
+    assert obs.splitlines()[-1] == ('ls() -> {"current_directory_content": ["document", "archive", '
+                                    '"run ls() then cd(x)", "a(b", "it\'s (\\n) ok"]}')
+    assert obs.splitlines()[1] == "touch(file_name='run ls() then cd(x)') -> None"  # shown as written
+    call = Call("f", ("g(1)",), (("x", [{"h(": b"i("}, ("j(",)]),))
+    qualified = multi_turn_utils._process_method_calls(call.backend_source(), {"f": "inst", "g": "inst", "h": "inst"})
+    assert qualified.startswith("inst.f(") and "inst" not in qualified[len("inst.f("):]
+    node = ast.parse(qualified, mode="eval").body
+    assert [ast.literal_eval(a) for a in node.args] == list(call.args)
+    assert [(k.arg, ast.literal_eval(k.value)) for k in node.keywords] == list(call.kwargs)
 
 
 def test_unbounded_math_is_refused_quickly() -> None:

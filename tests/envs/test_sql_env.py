@@ -3,16 +3,34 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import sqlite3
+import subprocess
+import sys
 import time
 
 import pytest
 
 from environments.sql_env import SQLTextEnv
-from environments.sql_env.env import SUBMIT, QueryResult, database_path, render_result, same_result
+from environments.sql_env.data import TEMPLATES
+from environments.sql_env.env import (
+    ALLOWED_FUNCTIONS,
+    SUBMIT,
+    QueryResult,
+    all_tasks,
+    database_path,
+    open_readonly,
+    render_result,
+    run_query,
+    same_result,
+)
 from opd.envs import check_env, make_env
 
 ENV_ID = "opd/SQLText-v0"
+REFUSED = " (allowed: common scalar, date and time, math, aggregate and window functions)"
+# A 81,920-byte string x from a doubling CTE, built with allowed functions only.
+BIG_X = ("WITH RECURSIVE d(i, x) AS (SELECT 1, 'xxxxxxxxxx' UNION ALL SELECT i + 1, x || x FROM d WHERE i < 14), "
+         "b(x) AS (SELECT x FROM d WHERE i = 14), r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r WHERE i < 10000) ")
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +86,19 @@ def test_bad_reply_is_an_observation(env, action) -> None:
     ("CREATE TABLE t (x)", "not authorized"),
     ("PRAGMA query_only = 0", "not authorized"),
     ("ATTACH DATABASE 'other.db' AS other", "not authorized"),
-    ("SELECT random()", "not authorized to use function: random"),
-    ("SELECT printf('%.*c', 1000000000, 'x')", "not authorized to use function: printf"),
-    ("SELECT zeroblob(1000000000)", "string or blob too big"),
+    ("SELECT random()", "not authorized to use function: random" + REFUSED),
+    ("SELECT printf('%.*c', 1000000000, 'x')", "not authorized to use function: printf" + REFUSED),
+    ("SELECT zeroblob(300000000)", "not authorized to use function: zeroblob" + REFUSED),
+    ("SELECT length(randomblob(300000000))", "not authorized to use function: randomblob" + REFUSED),
+    ("SELECT hex(fts3_tokenizer('simple'))", "not authorized to use function: fts3_tokenizer" + REFUSED),
+    ("SELECT load_extension('/tmp/x.so')", "not authorized to use function: load_extension" + REFUSED),
+    ("SELECT current_date", "not authorized to use function: current_date" + REFUSED),
+    # Growth through allowed functions stops at SQLite's limits.
+    ("WITH RECURSIVE r(i, s) AS (SELECT 1, 'x' UNION ALL SELECT i + 1, s || s FROM r WHERE i < 29) SELECT length(s) FROM r",
+     "string or blob too big"),
+    ("SELECT length(" + "replace(" * 8 + "'xxxxxxxxxx'" + ", 'x', 'xxxxxxxxxx')" * 8 + ")", "string or blob too big"),
+    ("SELECT " + ", ".join(["1"] * 65), "too many columns in result set"),
+    ("SELECT ?250000", "variable number must be between ?1 and ?0"),
 ])
 def test_queries_cannot_write_or_blow_up(env, cache, query, error) -> None:
     path = database_path("shop", 0, cache)
@@ -78,6 +106,92 @@ def test_queries_cannot_write_or_blow_up(env, cache, query, error) -> None:
     [(obs, _, _, _, info)] = run(env, task_of(env, "shop.count_city"), query)
     assert obs == f"Error: {error}" and not info["valid_action"]
     assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+
+
+def test_fts3_tokenizer_is_refused_and_the_episode_goes_on(env) -> None:
+    # fts3_tokenizer('simple') returns a process address; with two arguments it installs a pointer.
+    task = task_of(env, "shop.count_city")
+    gold = env.task(task).gold_sql
+    steps = run(env, task, gold, "SELECT fts3_tokenizer('simple', x'0000000000000000')", SUBMIT)
+    obs, reward, terminated, truncated, info = steps[1]
+    assert obs == "Error: not authorized to use function: fts3_tokenizer" + REFUSED
+    assert (reward, terminated, truncated, info["valid_action"]) == (-0.1, False, False, False)
+    assert steps[2][1:3] == (1.0, True)  # the refused query did not replace the gold result
+
+
+def test_result_bytes_are_capped(cache) -> None:
+    env = SQLTextEnv(cache_dir=cache, max_result_bytes=100)
+    task = task_of(env, "shop.count_city")
+    gold = env.task(task).gold_sql
+    steps = run(env, task, gold, "SELECT id, name FROM customers", SUBMIT)
+    obs, reward, terminated, _, info = steps[1]
+    assert obs.startswith("Error: result too large: over 100 bytes (max_result_bytes) after ")
+    assert (reward, terminated, info["valid_action"]) == (-0.1, False, False)
+    assert steps[2][1] == 1.0  # gold results are read without the cap, and the refused query did not count
+    [(obs, _, _, _, info)] = run(SQLTextEnv(cache_dir=cache), task, "SELECT id, name FROM customers")
+    assert info["valid_action"] and obs.endswith("(120 rows; first 20 shown)")
+
+
+def test_a_big_result_stops_at_the_byte_cap(env) -> None:
+    # 10,000 rows of 80 kB (800 MB) from allowed functions: reading stops after 13 rows (1 MB).
+    start = time.perf_counter()
+    [(obs, reward, _, _, info)] = run(env, task_of(env, "shop.count_city"), BIG_X + "SELECT x FROM r, b")
+    assert time.perf_counter() - start < 0.5
+    assert obs == ("Error: result too large: over 1048576 bytes (max_result_bytes) after 13 rows; select fewer rows "
+                   "or columns, shorter values, or aggregate")
+    assert (reward, info["valid_action"]) == (-0.1, False)
+
+
+_MEASURE_BOMBS = """
+import json, resource, sys
+from environments.sql_env import SQLTextEnv
+env = SQLTextEnv(cache_dir=sys.argv[1], time_limit_s=0.3)
+env.reset(options={"task": env.task_ids("eval")[0]})
+env.step("SELECT 1")
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+observations = {name: env.step(sql)[0] for name, sql in json.loads(sys.argv[2]).items()}
+growth_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+print(json.dumps({"growth_mb": growth_mb, "observations": observations}))
+"""
+
+
+def test_memory_bombs_keep_the_process_small(cache) -> None:
+    # Peak RSS (ru_maxrss) in a fresh process, so earlier tests' peaks hide nothing. Without the
+    # guards each of these holds 0.5-2 GB; the widest row the limits allow (64 x 80 kB) is the
+    # biggest allocation left, about 10 MB measured alone.
+    bombs = {
+        "zeroblob": "SELECT zeroblob(300000000)",
+        "doubling CTE": "WITH RECURSIVE r(i, s) AS (SELECT 1, 'x' UNION ALL SELECT i + 1, s || s FROM r WHERE i < 29) "
+                        "SELECT length(s) FROM r",
+        "replace": "SELECT length(" + "replace(" * 8 + "'xxxxxxxxxx'" + ", 'x', 'xxxxxxxxxx')" * 8 + ")",
+        "group_concat": BIG_X + "SELECT length(group_concat(x)) FROM r, b",
+        "many rows": BIG_X + "SELECT x FROM r, b",
+        "wide row": BIG_X + "SELECT " + ", ".join(["x"] * 64) + " FROM b",
+        "sort": BIG_X + "SELECT i FROM r, b ORDER BY x || i DESC",
+    }
+    out = subprocess.run([sys.executable, "-c", _MEASURE_BOMBS, cache, json.dumps(bombs)], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    measured = json.loads(out)
+    for name, obs in measured["observations"].items():
+        assert obs.startswith("Error: "), (name, obs)
+    assert measured["growth_mb"] < 32, measured
+
+
+def test_every_gold_query_runs_under_the_guards(cache) -> None:
+    # Every template keeps instances, and each gold query (train and eval) runs under the
+    # allow-list and limits on a model's connection, with a full result under the byte cap.
+    tasks = all_tasks(0, cache, 16)
+    assert {t.task_id.rsplit(".", 1)[0] for t in tasks} == {f"{t.schema}.{t.name}" for t in TEMPLATES}
+    connections = {schema: open_readonly(database_path(schema, 0, cache)) for schema in ("shop", "school", "flights")}
+    try:
+        for task in tasks:
+            result = run_query(connections[task.schema], task.gold_sql, time_limit_s=10.0, max_rows=10_000,
+                               max_bytes=1 << 20)
+            assert result.error is None and result.complete and result.rows, (task.task_id, result.error)
+    finally:
+        for conn in connections.values():
+            conn.close()
+    assert {"count", "sum", "avg", "min", "max", "round", "substr", "date"} <= ALLOWED_FUNCTIONS
 
 
 def test_runaway_query_is_interrupted(cache) -> None:
@@ -202,3 +316,5 @@ def test_unknown_split_task_and_kwargs_raise(env) -> None:
         SQLTextEnv(time_limit_s=0)
     with pytest.raises(ValueError, match="max_turns=0"):
         SQLTextEnv(max_turns=0)
+    with pytest.raises(ValueError, match="max_result_bytes=0"):
+        SQLTextEnv(max_result_bytes=0)
