@@ -141,3 +141,209 @@ def test_answers_within_the_grace_are_not_held_up_by_work():
         slow_pool.reset_many([(0, "fl4-train-00000", 0)])
         (result,) = slow_pool.step_many([(0, "right")], while_waiting=work, grace_s=0.1)
     assert not isinstance(result, EnvFailure) and 5 <= len(calls) <= 45  # about (0.5 - 0.1) / 0.01 units
+
+
+# ----- answers come back as checked JSON, never as a pickle -----
+PRELOAD = ("environments", "tests.data.faulty_env")
+
+
+def _fault_pool(fault: str, timeout_s: float = 30.0, **kwargs) -> EnvWorkerPool:
+    limits = {k: kwargs.pop(k) for k in ("memory_limit_mb", "cpu_time_limit_s", "max_result_bytes") if k in kwargs}
+    factory = EnvFactory("opdtest/FaultyFrozenLake-v0", {**KWARGS, "fault": fault, "at_turn": 2, **kwargs},
+                         "tests.data.faulty_env")
+    return EnvWorkerPool(factory, timeout_s, PRELOAD, **limits)
+
+
+def _play_to_the_fault(pool: EnvWorkerPool) -> list:
+    """Slot 0 plays a faulty task and slot 1 a healthy one; returns the step results of turn 2."""
+    assert all(isinstance(r, tuple) for r in pool.reset_many([(0, "fl4-train-00001", 0), (1, "fl4-train-00002", 0)]))
+    assert all(isinstance(r, tuple) for r in pool.step_many([(0, "down"), (1, "down")]))
+    return pool.step_many([(0, "down"), (1, "right")])
+
+
+def _slot_plays_on(pool: EnvWorkerPool, slot: int = 0) -> None:
+    (reset,) = pool.reset_many([(slot, "fl4-train-00000", 0)])
+    (step,) = pool.step_many([(slot, "down")])
+    assert reset[0].startswith("Reach G") and isinstance(step, tuple) and step[4]["turn"] == 1
+
+
+def _episodes(envs, tasks_actions: list[tuple[str, list[str]]]) -> list:
+    """Each task's reset and step results, one slot per task, stepped together."""
+    results = [[r] for r in envs.reset_many([(i, task, 0) for i, (task, _) in enumerate(tasks_actions)])]
+    for turn in range(max(len(actions) for _, actions in tasks_actions)):
+        live = [(i, actions[turn]) for i, (_, actions) in enumerate(tasks_actions) if turn < len(actions)]
+        for (i, _), result in zip(live, envs.step_many(live)):
+            results[i].append(result)
+    return results
+
+
+@pytest.mark.parametrize("env_id, kwargs", [("opd/FrozenLakeText-v0", KWARGS), ("opd/SQLText-v0", {"max_turns": 4})])
+def test_a_child_answers_exactly_what_the_env_returns_in_process(env_id, kwargs, tmp_path):
+    """Observations, rewards, flags and whole infos (types included) are those of
+    :class:`InProcessEnvs`: JSON carries every value these envs put in an answer."""
+    from opd.rollout.env_pool import InProcessEnvs
+
+    if env_id == "opd/SQLText-v0":
+        kwargs = {**kwargs, "cache_dir": str(tmp_path / "sql")}
+    factory = EnvFactory(env_id, kwargs)
+    tasks = factory().unwrapped.task_ids("eval")[:2]
+    with InProcessEnvs(factory) as local:  # the expert's moves, with a bad action on turn 2
+        plans = []
+        for task in tasks:
+            _, info = local.reset_many([(0, task, 0)])[0]
+            actions = []
+            while info.get("expert_action") and len(actions) < 6:
+                actions.append(info["expert_action"] if len(actions) != 1 else "not an action")
+                result = local.step_many([(0, actions[-1])])[0]
+                info = result[4]
+                if result[2] or result[3]:
+                    break
+            plans.append((task, actions))
+        expected = _episodes(local, plans)
+    with EnvWorkerPool(factory, timeout_s=60) as pool:
+        got = _episodes(pool, plans)
+    assert sum(len(actions) for _, actions in plans) >= 4
+    assert got == expected
+
+    def types(value):
+        if isinstance(value, (tuple, list)):
+            return type(value).__name__, [types(v) for v in value]
+        if isinstance(value, dict):
+            return {k: types(v) for k, v in value.items()}
+        return type(value).__name__
+
+    assert types(got) == types(expected)
+
+
+def test_an_answer_json_cannot_carry_is_an_error_that_says_where(tmp_path):
+    with _fault_pool("unserialisable") as pool:
+        failed, healthy = _play_to_the_fault(pool)
+        assert isinstance(healthy, tuple)
+        assert isinstance(failed, EnvFailure) and failed.kind == "error"
+        assert "step()[4]['engine_state'] is a builtins.object" in failed.message and "JSON" in failed.message
+        assert pool.restarts == 0  # the env is sound; it only answered something it should not
+        _slot_plays_on(pool)
+
+
+def test_an_answer_over_max_result_bytes_is_refused():
+    with _fault_pool("huge", huge_chars=2**20, max_result_bytes=2**16) as pool:
+        failed, healthy = _play_to_the_fault(pool)
+        assert isinstance(healthy, tuple)
+        assert isinstance(failed, EnvFailure) and failed.kind == "error"
+        assert f"over max_result_bytes={2**16}" in failed.message
+        _slot_plays_on(pool)
+
+
+@pytest.mark.parametrize("forged, says", [
+    ("pickle", "not JSON"),
+    ("garbage", "not JSON"),
+    ("oversized", "max_result_bytes"),
+    ("bad_shape", "step() returned 3 values; expected (observation, reward, terminated, truncated, info)"),
+])
+def test_a_forged_reply_is_never_unpickled_and_restarts_the_slot(tmp_path, forged, says):
+    """A compromised environment process writes its own bytes onto the pipe: the pool decodes
+    them as JSON only, checks them, and replaces the process, whose replies it can no longer trust."""
+    import pickle
+
+    from tests.data.faulty_env import LeavesAMark
+
+    control = tmp_path / "control"
+    pickle.loads(pickle.dumps(LeavesAMark(str(control))))
+    assert control.exists(), "the forged pickle is live: loading it runs code"
+    marker = tmp_path / "marker"
+    with _fault_pool("forge", timeout_s=10.0, forged=forged, marker_path=str(marker), huge_chars=2**20,
+                     max_result_bytes=2**16) as pool:
+        failed, healthy = _play_to_the_fault(pool)
+        assert isinstance(healthy, tuple)
+        assert isinstance(failed, EnvFailure) and failed.kind == "error" and says in failed.message, failed
+        assert pool.restarts == 1
+        _slot_plays_on(pool)
+    assert not marker.exists(), "the pool unpickled what the environment's process sent"
+
+
+# ----- memory and CPU-time limits -----
+def test_an_env_past_its_memory_limit_fails_alone_and_its_slot_restarts():
+    with _fault_pool("allocate", allocate_mb=2048, memory_limit_mb=512) as pool:
+        start = time.monotonic()
+        failed, healthy = _play_to_the_fault(pool)
+        assert isinstance(healthy, tuple) and healthy[4]["turn"] == 2
+        assert isinstance(failed, EnvFailure) and failed.kind == "limit", failed
+        assert "ran out of memory" in failed.message and "512 MiB (env.memory_limit_mb)" in failed.message
+        assert "MemoryError" in failed.message
+        assert pool.restarts == 1 and time.monotonic() - start < 20
+        _slot_plays_on(pool)
+        _slot_plays_on(pool, slot=1)
+
+
+def test_an_env_past_its_cpu_time_limit_is_ended_before_the_timeout():
+    with _fault_pool("spin", timeout_s=60.0, spin_s=60.0, cpu_time_limit_s=1.0) as pool:
+        start = time.monotonic()
+        failed, healthy = _play_to_the_fault(pool)
+        elapsed = time.monotonic() - start
+        assert isinstance(healthy, tuple)
+        assert isinstance(failed, EnvFailure) and failed.kind == "limit", failed
+        assert "more than 1 s of CPU time in one call (env.cpu_time_limit_s)" in failed.message
+        assert elapsed < 20, "the CPU-time limit, not the 60 s timeout, ended the call"
+        assert pool.restarts == 1
+        _slot_plays_on(pool)
+
+
+def test_the_cpu_time_limit_is_per_call_not_per_process():
+    """Calls that each stay under the limit never add up to it: a child lives across episodes."""
+    factory = EnvFactory("opdtest/FaultyFrozenLake-v0", {**KWARGS, "fault": "spin", "spin_s": 0.4, "every": 1,
+                                                         "at_turn": 1}, "tests.data.faulty_env")
+    with EnvWorkerPool(factory, 30.0, PRELOAD, cpu_time_limit_s=1.0) as pool:
+        for _ in range(4):  # 4 x 0.4 s of CPU in one process, 0.4 s a call
+            (reset,) = pool.reset_many([(0, "fl4-train-00000", 0)])
+            (step,) = pool.step_many([(0, "down")])
+            assert isinstance(step, tuple), step
+        assert pool.restarts == 0
+
+
+def test_limits_off_and_bad_limits():
+    with _fault_pool("raise", memory_limit_mb=0, cpu_time_limit_s=0) as pool:
+        _slot_plays_on(pool)
+    for bad in ({"memory_limit_mb": -1}, {"cpu_time_limit_s": float("inf")}, {"max_result_bytes": 10},
+                {"memory_limit_mb": "4096"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EnvWorkerPool(_factory("raise"), 10.0, **bad)
+
+
+def test_pool_signature():
+    """Callers pass ``(factory, timeout_s, preload)`` positionally; the limits are keywords."""
+    import inspect
+
+    params = inspect.signature(EnvWorkerPool).parameters
+    assert list(params)[:3] == ["factory", "timeout_s", "preload"]
+    assert all(params[name].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for name in list(params)[:3])
+    assert {name: (p.kind, p.default) for name, p in list(params.items())[3:]} == {
+        "memory_limit_mb": (inspect.Parameter.KEYWORD_ONLY, 4096),
+        "cpu_time_limit_s": (inspect.Parameter.KEYWORD_ONLY, 60.0),
+        "max_result_bytes": (inspect.Parameter.KEYWORD_ONLY, 8 * 2**20),
+    }
+
+
+def test_a_jvm_environment_plays_under_the_default_limits(tmp_path):
+    """ScienceWorld's engine is a JVM the env child starts: it inherits the memory limit, sizes
+    its heap from it (not from the machine, where a large node's first heap alone would pass
+    it) and plays; the per-call CPU timer does not follow it into the JVM."""
+    import shutil
+
+    pytest.importorskip("scienceworld")
+    if shutil.which("java") is None:
+        pytest.skip("ScienceWorld needs java")
+    factory = EnvFactory("opd/ScienceWorldText-v0", {"task_names": ["find-animal"], "max_turns": 4,
+                                                      "cache_dir": str(tmp_path)})
+    with EnvWorkerPool(factory, timeout_s=120) as pool:
+        (reset,) = pool.reset_many([(0, "sw-find-animal-150", 0)])
+        assert isinstance(reset, tuple), reset
+        (step,) = pool.step_many([(0, reset[1]["expert_action"])])
+        assert isinstance(step, tuple) and step[4]["valid_action"], step
+        child = pool._slots[0].process.pid
+        (jvm,) = [int(p) for p in open(f"/proc/{child}/task/{child}/children").read().split()]
+        limits = open(f"/proc/{jvm}/limits").read()
+        environ = open(f"/proc/{jvm}/environ", "rb").read().split(b"\0")
+    data_limit = next(line for line in limits.splitlines() if line.startswith("Max data size")).split()[3:5]
+    assert data_limit == [str(4096 * 2**20)] * 2
+    assert f"JAVA_TOOL_OPTIONS=-XX:MaxRAM={4096 * 2**20}".encode() in environ
+    assert next(line for line in limits.splitlines() if line.startswith("Max cpu time")).split()[3] == "unlimited"
