@@ -4,16 +4,26 @@
     opd check RECIPE [key=value ...]              validate a recipe without running it
     opd envs                                      list the registered environments
     opd references build RECIPE [key=value ...]   build ActFirst's reference trajectories once
+    opd verify RUN_DIR                            check every checkpoint's files against their hashes
 
 Predictable mistakes (a bad recipe, a missing model, a run directory that already holds a
-run) print one clear message and exit with status 2, never a traceback.
+run) print one clear message and exit with status 2. Anything else that stops a command prints
+what failed, in which role, the last complete checkpoint and the command to resume, exits with
+status 1, and writes the full traceback (the actor's own, for a failure inside a Ray actor) to
+the run directory's ``error.log``: never a traceback on the console.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
 
 
 def _console():
@@ -55,45 +65,121 @@ def main(argv: list[str] | None = None) -> int:
     refs_p.add_argument("action", choices=["build"])
     refs_p.add_argument("recipe")
     refs_p.add_argument("overrides", nargs="*")
+    verify_p = sub.add_parser("verify", help="check a run directory's checkpoints against their recorded hashes")
+    verify_p.add_argument("run_dir")
     args = parser.parse_args(argv)
-    # As `python -m` does: the user's own losses and environments in the current directory import
-    # by dotted path (the Ray workers inherit this sys.path).
+    # The user's own losses and environments in the current directory import by dotted path (the
+    # Ray workers inherit this order); after the installed packages, so a file in the current
+    # directory never shadows opd or one of its dependencies.
     if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+        sys.path.append(os.getcwd())
     _quiet_libraries()
     console = _console()
 
-    from opd.config import ConfigError, load_config, to_yaml
-    from opd.runtime.driver import RunError
+    from opd.config import ConfigError
+    from opd.runtime.errors import RunError
 
     try:
-        if args.command == "envs":
-            from opd.envs import list_envs
-
-            for env_id, description in list_envs():
-                console.print(f"{env_id:32s} {description}")
-            return 0
-        cfg = load_config(args.recipe, args.overrides)
-        if args.command == "check":
-            console.print(to_yaml(cfg))
-            return 0
-        if args.command == "references":
-            from opd.rollout.references import build_references
-            from opd.runtime.actors import local_teacher_player
-
-            teacher = cfg.actfirst.reference_source == "teacher"
-            build_references(cfg, log=console.log, teacher_play=local_teacher_player(cfg, console.log) if teacher else None)
-            return 0
-        from opd.runtime.driver import train
-
-        train(cfg, resume=args.resume, console=console)
-        return 0
-    except (ConfigError, RunError) as exc:
+        return _command(args, console)
+    except ConfigError as exc:
         console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: the last complete checkpoint is intact; rerun with --resume")
         return 130
+    except Exception as exc:  # noqa: BLE001 - the one place every other failure becomes a message
+        _report_failure(console, args, exc)
+        return 2 if type(exc) is RunError else 1
+
+
+def _command(args: argparse.Namespace, console: Any) -> int:
+    from opd.config import load_config, to_yaml
+
+    if args.command == "envs":
+        from opd.envs import list_envs
+
+        for env_id, description in list_envs():
+            console.print(f"{env_id:32s} {description}")
+        return 0
+    if args.command == "verify":
+        return _verify(Path(args.run_dir), console)
+    cfg = load_config(args.recipe, args.overrides)
+    args.run_dir = cfg.run.output_dir
+    if args.command == "check":
+        console.print(to_yaml(cfg))
+        return 0
+    if args.command == "references":
+        from opd.rollout.references import build_references
+        from opd.runtime.actors import local_teacher_player
+
+        teacher = cfg.actfirst.reference_source == "teacher"
+        build_references(cfg, log=console.log, teacher_play=local_teacher_player(cfg, console.log) if teacher else None)
+        return 0
+    from opd.runtime.driver import train
+
+    train(cfg, resume=args.resume, console=console)
+    return 0
+
+
+def _verify(run_dir: Path, console: Any) -> int:
+    from opd.training.checkpoint import CheckpointError, complete_checkpoints, verify_checkpoint
+
+    checkpoints = complete_checkpoints(run_dir)
+    if not checkpoints:
+        console.print(f"[bold red]error:[/] {run_dir} holds no complete checkpoint (looked in {run_dir / 'checkpoints'})")
+        return 2
+    bad = 0
+    for path in checkpoints:
+        try:
+            state = verify_checkpoint(path)
+            console.print(f"[green]ok[/]   {path.name} (step {state['step']})")
+        except CheckpointError as exc:
+            bad += 1
+            console.print(f"[bold red]bad[/]  {path.name}: {exc}", soft_wrap=True)
+    return 1 if bad else 0
+
+
+def _report_failure(console: Any, args: argparse.Namespace, exc: BaseException) -> None:
+    """What failed, where, what is kept and how to go on, on the console; the traceback to a log."""
+    from opd.runtime.errors import RunError
+
+    run_dir = Path(args.run_dir) if getattr(args, "run_dir", None) else None
+    log_path = _write_traceback(run_dir, exc)
+    if isinstance(exc, RunError):  # WorkerError included: it names the role and the call
+        headline = str(exc)
+    else:
+        headline = f"opd {args.command} failed in the driver: {type(exc).__name__}: {exc}"
+    notes = "; ".join(getattr(exc, "__notes__", []))
+    console.print(f"[bold red]error:[/] {headline}{f' ({notes})' if notes else ''}", soft_wrap=True)
+    if args.command == "train" and run_dir is not None:
+        from opd.training.checkpoint import latest_checkpoint
+
+        last = latest_checkpoint(run_dir) if run_dir.is_dir() else None
+        console.print(f"last complete checkpoint: {last[0] if last else 'none'}", soft_wrap=True)
+        if last:
+            resume = shlex.join(["opd", "train", args.recipe, *args.overrides, "--resume"])
+            console.print(f"resume with: {resume}", soft_wrap=True)
+    if log_path is not None:
+        console.print(f"full traceback: {log_path}", soft_wrap=True)
+
+
+def _write_traceback(run_dir: Path | None, exc: BaseException) -> Path | None:
+    """Append the traceback (and an actor's remote one) to ``run_dir/error.log``, or to a file
+    in the temporary directory when the run directory cannot take it."""
+    text = "".join(traceback.format_exception(exc))
+    detail = getattr(exc, "detail", "")
+    if detail:
+        text += f"\n-- inside the {getattr(exc, 'role', 'actor')} --\n{detail}\n"
+    entry = f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(sys.argv)}\n{text}\n"
+    for path in ([run_dir / "error.log"] if run_dir is not None else []) + [Path(tempfile.gettempdir()) / "opd-error.log"]:
+        try:
+            if path.parent.is_dir():
+                with open(path, "a") as f:
+                    f.write(entry)
+                return path
+        except OSError:
+            continue
+    return None
 
 
 if __name__ == "__main__":

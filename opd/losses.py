@@ -19,7 +19,9 @@ Example:
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
+import re
 from typing import Any, Callable, Mapping
 
 import torch
@@ -65,20 +67,43 @@ def registered_losses() -> list[str]:
     return sorted(_REGISTRY)
 
 
+_DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+
+
 def resolve_loss(name: str) -> LossFn:
-    """A registered loss, or ``package.module.function`` imported from the user's code."""
+    """A registered loss, or ``package.module.function`` imported from the user's code.
+
+    Raises:
+        KeyError: neither a registered name nor a dotted path.
+        ImportError: the module does not import (whatever it raised while importing).
+        AttributeError: the module has no such attribute.
+        TypeError: the attribute is not a function taking ``(batch, cfg)``.
+    """
     if name in _REGISTRY:
         return _REGISTRY[name]
     if "." not in name:
         raise KeyError(f"unknown loss {name!r}; registered: {', '.join(registered_losses())}, or give a dotted path")
+    if not _DOTTED.match(name):
+        raise KeyError(f"loss {name!r} is not a dotted path of Python names (e.g. my_pkg.my_losses.my_loss)")
     module_name, _, attr = name.rpartition(".")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ImportError(f"cannot import module {module_name!r} for loss {name!r}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a user's module may raise anything while importing
+        raise ImportError(f"cannot import module {module_name!r} for loss {name!r}: {type(exc).__name__}: {exc}") from None
     if not hasattr(module, attr):
         raise AttributeError(f"module {module_name!r} has no function {attr!r} (loss {name!r})")
-    return getattr(module, attr)
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise TypeError(f"loss {name!r} is a {type(fn).__name__}, not a function; a loss is fn(batch, cfg) -> "
+                        "(loss, metrics)")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        raise TypeError(f"loss {name!r} has signature {fn.__name__}{inspect.signature(fn)}; a loss takes two "
+                        "arguments, fn(batch, cfg), and returns (loss, metrics)") from None
+    except ValueError:  # no signature to inspect (a builtin): let the first call tell
+        pass
+    return fn
 
 
 def loss_traits(name: str) -> dict[str, Any]:

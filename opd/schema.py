@@ -13,8 +13,9 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, get_args
+from typing import Any, Literal, NamedTuple, Optional, get_args
 
 from omegaconf import MISSING
 
@@ -91,6 +92,8 @@ class EnvConfig:
     module: str = ""  # a module to import first, registering an env that lives in your own package
     isolation: Literal["subprocess", "inprocess"] = "subprocess"  # subprocess: each episode's env in a child process
     timeout_s: float = 60.0  # a reset or step slower than this counts as hung: the episode is marked
+    memory_limit_mb: float = 4096.0  # subprocess: an env process's data-memory cap (RLIMIT_DATA); 0: none
+    cpu_time_limit_s: float = 60.0  # subprocess: CPU seconds one reset or step may use; 0: none
 
 
 @dataclass
@@ -202,6 +205,8 @@ class ResourcesConfig:
     rollout_gpus: float = 0.0  # GPUs of the RolloutWorker actor
     trainer_gpus: float = 0.0  # GPUs of the StudentTrainer actor
     torch_threads: int = 0  # intra-op threads per actor; 0: the machine's core count
+    actor_timeout_s: float = 3600.0  # an actor call (a step's rollouts, scoring, training, a checkpoint)
+    # that has not answered after this long counts as hung: the run stops, its last checkpoint intact
 
 
 @dataclass
@@ -221,3 +226,64 @@ class OPDConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     run: RunConfig = field(default_factory=RunConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+
+
+class Bound(NamedTuple):
+    """The sensible range of a numeric key: ``low <= value <= high``, either end strict when its
+    flag is set. Every value must also be finite."""
+
+    low: float
+    high: float
+    low_strict: bool = False
+    high_strict: bool = False
+
+    def holds(self, value: float) -> bool:
+        above = value > self.low if self.low_strict else value >= self.low
+        below = value < self.high if self.high_strict else value <= self.high
+        return math.isfinite(value) and above and below
+
+    def describe(self) -> str:
+        def num(x: float) -> str:
+            return f"{x:,.0f}" if float(x).is_integer() and abs(x) >= 10_000 else f"{x:g}"
+
+        return (f"{num(self.low)} {'<' if self.low_strict else '<='} value "
+                f"{'<' if self.high_strict else '<='} {num(self.high)}")
+
+
+_SEED = Bound(0, 2**32 - 1)
+_PROB = Bound(0, 1)
+_TOKENS = Bound(1, 1_000_000)  # a per-turn or per-episode token budget
+_CAP = Bound(0, 10**9)  # a size cap where 0 turns the cap off
+_COUNT = Bound(1, 10**7)
+_CPUS = Bound(0, 100_000)
+_GPUS = Bound(0, 10_000)
+
+# Every int or float field of the schema, by dataclass and field name (a test keeps this
+# complete): :func:`opd.config.validate` refuses a value outside its bound, and NaN or infinity
+# anywhere, with the bound in the message.
+BOUNDS: dict[type, dict[str, Bound]] = {
+    TinyArchConfig: {"hidden_size": Bound(1, 65_536), "num_layers": Bound(1, 1_024), "num_heads": Bound(1, 1_024),
+                     "intermediate_size": Bound(1, 1 << 20)},
+    BootstrapConfig: {"n_episodes": _COUNT, "explore_prob": Bound(0, 1, high_strict=True), "sft_steps": Bound(0, 10**7),
+                      "batch_size": Bound(1, 65_536), "learning_rate": Bound(0, 1, low_strict=True),
+                      "tokenizer_vocab_size": Bound(256, 1 << 20), "corpus_episodes": _COUNT,
+                      "action_only_prob": _PROB, "hint_prob": _PROB, "seed": _SEED},
+    ModelConfig: {"prefix_cache_mb": Bound(0, 10**7)},
+    EnvConfig: {"timeout_s": Bound(0, 86_400, low_strict=True), "memory_limit_mb": Bound(0, 10**8),
+                "cpu_time_limit_s": Bound(0, 86_400)},
+    RolloutConfig: {"episodes_per_step": _COUNT, "max_new_tokens": _TOKENS, "temperature": Bound(0, 100),
+                    "group_size": _COUNT, "max_context_tokens": Bound(1, 100_000_000)},
+    SupervisionConfig: {"top_k": Bound(1, 1_000_000), "score_batch_size": _COUNT, "score_batch_tokens": _CAP},
+    ActFirstConfig: {"action_max_new_tokens": _TOKENS},
+    PivotConfig: {"recovery_turns": Bound(0, 1_000), "judge_max_new_tokens": _TOKENS, "hint_top_k": Bound(1, 1_000_000)},
+    LossConfig: {"weight": Bound(-1e6, 1e6)},
+    TrainerConfig: {"learning_rate": Bound(0, 1, low_strict=True), "warmup_steps": Bound(0, 10**9),
+                    "min_lr_ratio": _PROB, "weight_decay": Bound(0, 100), "adam_beta1": Bound(0, 1, high_strict=True),
+                    "adam_beta2": Bound(0, 1, high_strict=True), "grad_clip_norm": Bound(0, 1e6),
+                    "micro_batch_size": _COUNT, "micro_batch_tokens": _CAP, "max_nonfinite_steps": Bound(1, 10**6)},
+    RunConfig: {"total_steps": Bound(1, 10**9), "seed": _SEED, "eval_every_steps": Bound(0, 10**9),
+                "eval_episodes": _COUNT, "save_every_steps": Bound(0, 10**9), "keep_checkpoints": Bound(1, 10_000)},
+    ResourcesConfig: {"num_cpus": _CPUS, "teacher_cpus": _CPUS, "rollout_cpus": _CPUS, "trainer_cpus": _CPUS,
+                      "teacher_gpus": _GPUS, "rollout_gpus": _GPUS, "trainer_gpus": _GPUS,
+                      "torch_threads": Bound(0, 100_000), "actor_timeout_s": Bound(0, 10**7, low_strict=True)},
+}

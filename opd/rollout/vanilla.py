@@ -37,6 +37,8 @@ class EpisodeSettings:
     system_prompt: str = ""
     env_isolation: str = "subprocess"  # subprocess | inprocess (see opd.rollout.env_pool)
     env_timeout_s: float = 60.0
+    env_memory_limit_mb: float = 4096.0  # subprocess: an env process's memory cap; 0: none
+    env_cpu_time_limit_s: float = 60.0  # subprocess: CPU seconds per reset or step; 0: none
     history: str = "full"  # full: past turns keep their whole response | state_grounded: their action only
 
 

@@ -3,8 +3,8 @@
 ``TeacherWorker`` and ``RolloutWorker`` are plain classes; :func:`spawn_workers` hosts them and
 :class:`opd.training.trainer.StudentTrainer` as Ray actors with the recipe's CPU/GPU shares, and
 returns :class:`RayWorkers`, the :class:`opd.algorithms.base.Workers` handle that algorithms and
-the evaluation call (each call a remote call, awaited). On one machine ``ray.init`` starts a
-local Ray bound to loopback; with ``RAY_ADDRESS`` set the same code joins that cluster. Without
+the evaluation call (each call a remote call, awaited). Ray itself is started by
+:func:`opd.runtime.cluster.init_ray` (loopback and token authentication on one machine, or a join). Without
 Ray, a plain ``TeacherWorker`` plays in this process (:func:`local_teacher_player`).
 
 Weight sync: the trainer puts its full weights into the Ray object store once
@@ -18,13 +18,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
-import sys
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from opd.algorithms.base import Role
+from opd.runtime.errors import WorkerError
 from opd.trajectory import Trajectory
 
 
@@ -55,12 +57,15 @@ class _PolicyHost:
 
         if settings.env_isolation != "subprocess":
             return None
+        limits = dict(memory_limit_mb=settings.env_memory_limit_mb, cpu_time_limit_s=settings.env_cpu_time_limit_s)
+        key = (env_factory, settings.env_timeout_s, tuple(limits.values()))
         pool = getattr(self, "_pool", None)
-        if pool is None or pool.factory != env_factory or pool.timeout_s != settings.env_timeout_s:
+        if pool is None or self._pool_key != key:
             if pool is not None:
                 pool.close()
             preload = ("environments",) + ((env_factory.module,) if getattr(env_factory, "module", "") else ())
-            self._pool = EnvWorkerPool(env_factory, settings.env_timeout_s, preload)
+            self._pool = EnvWorkerPool(env_factory, settings.env_timeout_s, preload, **limits)
+            self._pool_key = key
         return self._pool
 
     def collect(self, env_factory, tasks: list[str], settings, seed: int) -> tuple[list[Trajectory], dict[str, float]]:
@@ -124,67 +129,73 @@ class RolloutWorker(_PolicyHost):
 
 @dataclass
 class RayWorkers:
-    """The three actors of a run behind the :class:`opd.algorithms.base.Workers` handle."""
+    """The three actors of a run behind the :class:`opd.algorithms.base.Workers` handle.
+
+    Every wait is bounded by ``timeout_s`` (``resources.actor_timeout_s``): an actor that raises,
+    dies or does not answer in time becomes a :class:`opd.runtime.errors.WorkerError` naming its
+    role and the call, with the actor's own exception unwrapped from Ray's.
+    """
 
     teacher: Any
     rollout: Any
     trainer: Any
+    timeout_s: float | None = None
 
-    def _host(self, who: Role):
-        return self.rollout if who == "student" else self.teacher
+    def _host(self, who: Role) -> tuple[str, Any]:
+        return ("rollout", self.rollout) if who == "student" else ("teacher", self.teacher)
 
-    @staticmethod
-    def _await(ref: Any) -> Any:
+    def _await(self, ref: Any, role: str, call: str) -> Any:
         import ray  # here, not at import: the module's plain classes run without Ray
+        from ray import exceptions as rex
 
-        return ray.get(ref)
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except rex.GetTimeoutError:
+            with contextlib.suppress(Exception):  # best effort: the run stops and Ray's shutdown ends the actor
+                ray.cancel(ref)
+            raise WorkerError(role, f"the {role} did not finish {call} within {self.timeout_s:g} s "
+                              "(resources.actor_timeout_s); it is hung or far slower than expected") from None
+        except rex.RayTaskError as exc:
+            cause = exc.cause if isinstance(exc.cause, BaseException) else None
+            what = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc).splitlines()[0]
+            raise WorkerError(role, f"the {role} failed in {call}: {what}", cause, _plain(str(exc))) from None
+        except rex.RayActorError as exc:
+            reason = str(exc).strip().splitlines()
+            raise WorkerError(role, f"the {role} actor died during {call}"
+                              f"{': ' + _plain(reason[0])[:300] if reason else ''}", None, _plain(str(exc))) from None
 
     def collect(self, who: Role, env_factory, tasks: list[str], settings, seed: int):
-        return self._await(self._host(who).collect.remote(env_factory, tasks, settings, seed))
+        role, host = self._host(who)
+        return self._await(host.collect.remote(env_factory, tasks, settings, seed), role, "collect")
 
     def score(self, trajs: list[Trajectory], supervision: Any) -> list:
-        return self._await(self.teacher.score.remote(trajs, supervision))
+        return self._await(self.teacher.score.remote(trajs, supervision), "teacher", "score")
 
     def train(self, batch) -> dict[str, float]:
-        return self._await(self.trainer.train_step.remote(batch))
+        return self._await(self.trainer.train_step.remote(batch), "trainer", "train_step")
 
     def sync_weights(self) -> dict[str, float]:
         """Trainer -> rollout engine, in place: the weights are put in the object store once."""
         start = time.perf_counter()
         weights_ref = self.trainer.export_weights.remote()
-        load_s = self._await(self.rollout.update_weights.remote(weights_ref))
+        load_s = self._await(self.rollout.update_weights.remote(weights_ref), "rollout", "update_weights")
         return {"weight_sync_s": time.perf_counter() - start, "weight_load_s": load_s}
 
     def run(self, who: Role, fn: Callable[..., Any], *args: Any) -> Any:
-        return self._await(self._host(who).run.remote(fn, *args))
+        role, host = self._host(who)
+        return self._await(host.run.remote(fn, *args), role, getattr(fn, "__name__", "run"))
 
     def save_checkpoint(self, directory: str) -> None:
         """The trainer's state and HF export into ``directory`` (see :mod:`opd.training.checkpoint`)."""
-        self._await(self.trainer.save_checkpoint.remote(directory))
+        self._await(self.trainer.save_checkpoint.remote(directory), "trainer", "save_checkpoint")
 
     def load_checkpoint(self, directory: str) -> None:
-        self._await(self.trainer.load_checkpoint.remote(directory))
+        self._await(self.trainer.load_checkpoint.remote(directory), "trainer", "load_checkpoint")
 
 
-def init_ray(resources: Any) -> None:
-    """Start a local Ray on loopback, or join ``RAY_ADDRESS``'s cluster."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    # Workers import the user's loss modules by dotted path: give them the driver's sys.path.
-    env_vars = {"PYTHONPATH": os.pathsep.join([os.getcwd(), *[p for p in sys.path if p]])}
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env_vars}, log_to_driver=True)
-        return
-    ray.init(
-        num_cpus=resources.num_cpus or os.cpu_count(),
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": env_vars},
-        log_to_driver=True,
-        configure_logging=False,
-    )
+def _plain(text: str) -> str:
+    """Ray's error text without its terminal colour codes (it goes to a log file)."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
 def spawn_workers(cfg: Any, student_path: str, teacher_path: str) -> RayWorkers:
@@ -213,7 +224,7 @@ def spawn_workers(cfg: Any, student_path: str, teacher_path: str) -> RayWorkers:
         num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus, runtime_env=thread_env
     ).remote(cfg.trainer, loss_terms, student_path, cfg.rollout.episodes_per_step, student["dtype"],
              student["trust_remote_code"], threads, cfg.run.total_steps, cfg.rollout.temperature)
-    return RayWorkers(teacher=teacher_actor, rollout=rollout_actor, trainer=trainer_actor)
+    return RayWorkers(teacher=teacher_actor, rollout=rollout_actor, trainer=trainer_actor, timeout_s=res.actor_timeout_s)
 
 
 

@@ -7,8 +7,12 @@ Everything a run writes lives in ``run.output_dir``:
   evaluation; ``tb/``: tensorboard events; ``checkpoints/step_N/``: see
   :mod:`opd.training.checkpoint`; ``summary.json`` and ``report.png`` at the end.
 
-Resume (``opd train RECIPE --resume``) loads the newest complete checkpoint: DeepSpeed state
-into the trainer, its weights into the rollout engine, and the driver's counters. Task
+Resume (``opd train RECIPE --resume``) loads the newest checkpoint that verifies (its files
+match the sizes and hashes recorded at save time, its pickles hold only tensors and allowed data
+classes): DeepSpeed state into the trainer, its weights into the rollout engine, and the driver's
+counters. A checkpoint that fails verification is moved aside to ``checkpoints/rejected-step_N``
+(kept, never deleted) and the next older one is tried. A recipe that differs from the run's
+``config.yaml`` in anything but :data:`RESUMABLE_KEYS` is refused, listing the differences. Task
 sampling and generation seeds are pure functions of (seed, step), so the resumed run continues
 exactly where the interrupted one would have been.
 """
@@ -21,11 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from opd.config import ConfigError, to_yaml
-from opd.training.checkpoint import atomic_write_text, latest_checkpoint, save_checkpoint
+from opd.runtime.errors import RunError, WorkerError
+from opd.training.checkpoint import (CheckpointError, atomic_write_text, complete_checkpoints, latest_checkpoint,
+                                     save_checkpoint, verified_checkpoints)
 
+__all__ = ["RESUMABLE_KEYS", "MetricsLog", "RunError", "recipe_changes", "train"]
 
-class RunError(RuntimeError):
-    """A run that must stop; the message says why and what was kept."""
+# What a resumed run may change: how long it goes on, how often it evaluates and saves, where it
+# writes, and how long a call may take. Anything else would make the resumed run a different one.
+RESUMABLE_KEYS = ("run.total_steps", "run.eval_every_steps", "run.save_every_steps", "run.keep_checkpoints",
+                  "run.output_dir", "resources.actor_timeout_s")
 
 
 class MetricsLog:
@@ -76,16 +85,26 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
     from opd.models import TokenizerMismatchError, check_tokenizers_match, load_tokenizer
     from opd.provisioning import resolve_model_path
     from opd.rollout.vanilla import EpisodeSettings
-    from opd.runtime.actors import init_ray, spawn_workers
+    from opd.runtime.actors import spawn_workers
+    from opd.runtime.cluster import init_ray
 
     log = console.log if console is not None else print
     run_dir = Path(cfg.run.output_dir)
-    found = latest_checkpoint(run_dir)
-    if found and not resume:
+    existing = complete_checkpoints(run_dir)
+    if existing and not resume:
         raise RunError(
-            f"{run_dir} already holds checkpoint {found[0].name}; pass --resume to continue that run, "
+            f"{run_dir} already holds checkpoint {existing[-1].name}; pass --resume to continue that run, "
             f"or set run.output_dir to a new directory (nothing was changed)."
         )
+    if resume and (run_dir / "config.yaml").is_file():
+        changes = [c for c in recipe_changes((run_dir / "config.yaml").read_text(), cfg) if c[0] not in RESUMABLE_KEYS]
+        if changes:
+            listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changes[:12])
+            raise RunError(
+                f"the recipe differs from the one {run_dir} was trained with ({run_dir / 'config.yaml'}) in "
+                f"{len(changes)} key(s): {listed}. A resumed run may change only {', '.join(RESUMABLE_KEYS)}; "
+                "run the changed recipe in a new run.output_dir (nothing was changed)."
+            )
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
 
@@ -115,18 +134,21 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
     workers = spawn_workers(cfg, student_path, teacher_path)
     settings = dict(max_new_tokens=cfg.rollout.max_new_tokens, max_context_tokens=cfg.rollout.max_context_tokens,
                     system_prompt=cfg.rollout.system_prompt, env_isolation=cfg.env.isolation,
-                    env_timeout_s=cfg.env.timeout_s)
+                    env_timeout_s=cfg.env.timeout_s, env_memory_limit_mb=cfg.env.memory_limit_mb,
+                    env_cpu_time_limit_s=cfg.env.cpu_time_limit_s)
     ctx = RunContext(cfg, workers, env_factory, train_tasks, eval_tasks,
                      EpisodeSettings(temperature=cfg.rollout.temperature, **settings),
                      EpisodeSettings(temperature=0.0, history=cfg.run.eval_history, **settings), fmt)
     algorithm = get_algorithm(cfg.algorithm)
 
     state: dict[str, Any] = {"step": 0, "train_time_s": 0.0, "evals": []}
+    found = _resume(run_dir, workers, log) if resume else None
     if found:
         path, state = found
-        workers.load_checkpoint(str(path))
         workers.sync_weights()
         log(f"resumed from {path} (step {state['step']})")
+    elif resume:
+        log(f"{run_dir} holds no complete checkpoint: starting from the beginning")
     metrics = MetricsLog(run_dir, keep_until_step=state["step"] if found else None)
     log(f"setup took {time.perf_counter() - setup_start:.1f}s; run directory: {run_dir}")
 
@@ -141,6 +163,7 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
 
     nonfinite_streak = 0
     progress = Progress(console, total=cfg.run.total_steps, start=state["step"])
+    step = state["step"]
     try:
         for step in range(state["step"] + 1, cfg.run.total_steps + 1):
             step_metrics = algorithm.train_step(ctx, step)
@@ -168,6 +191,9 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
                     state["evals"].append({"step": step, **record})
                     metrics.write(step, record)
                 save_checkpoint(run_dir, step, workers.save_checkpoint, state, keep=cfg.run.keep_checkpoints)
+    except Exception as exc:
+        exc.add_note(f"during training step {step} (steps done: {state['step']})")
+        raise
     finally:
         progress.close()
         metrics.close()
@@ -186,6 +212,54 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
     write_report_plot(run_dir)
     render_summary(console, summary, cfg)
     return summary
+
+
+def _resume(run_dir: Path, workers: Any, log: Any) -> tuple[Path, dict[str, Any]] | None:
+    """Load the newest checkpoint that verifies into the workers; move the ones that do not
+    aside (``rejected-step_N``), saying why. None when the directory holds no checkpoint."""
+    rejected = []
+    for path, state, reason in verified_checkpoints(run_dir):
+        if state is None:
+            aside = path.with_name(f"rejected-{path.name}")
+            if aside.exists():  # rejected once before: keep both
+                aside = path.with_name(f"rejected-{path.name}-{int(time.time())}")
+            path.rename(aside)
+            rejected.append(f"{path.name}: {reason}")
+            log(f"[yellow]skipped checkpoint {path.name}[/]: {reason}; moved to {aside.name}")
+            continue
+        try:
+            workers.load_checkpoint(str(path))
+        except WorkerError as exc:
+            if isinstance(exc.cause, CheckpointError):
+                raise RunError(f"checkpoint {path} was refused: {exc.cause}. Nothing was loaded or changed.") from None
+            raise
+        return path, state
+    if rejected:
+        raise RunError(f"no checkpoint in {run_dir / 'checkpoints'} verifies ({'; '.join(rejected)}); they were moved "
+                       "aside as rejected-step_N. Start the run afresh in a new run.output_dir.")
+    return None
+
+
+def recipe_changes(old_yaml: str, cfg: Any) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, old, new)`` for every leaf where ``cfg`` differs from a saved ``config.yaml``."""
+    from omegaconf import OmegaConf
+
+    old = _flatten(OmegaConf.to_container(OmegaConf.create(old_yaml), resolve=True))
+    new = _flatten(OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)), resolve=True))
+    return [(key, old.get(key), new.get(key)) for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, list):
+        items = ((str(i), v) for i, v in enumerate(node))
+    else:
+        return {prefix: node}
+    flat: dict[str, Any] = {}
+    for key, value in items:
+        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat or {prefix: node}
 
 
 def _time_split(path: Path) -> dict[str, float]:

@@ -1,27 +1,43 @@
-"""Atomic checkpoints in the run directory and finding the last complete one.
+"""Checkpoints that prove themselves: atomic, hashed, and loaded without running code.
 
 A checkpoint is written into ``checkpoints/.partial-step_N/`` and renamed to
-``checkpoints/step_N/`` only once every file is on disk (and a ``COMPLETE`` marker holds the
-driver's state). A run killed at any moment therefore leaves either a complete checkpoint or a
-partial directory that resume ignores and the next save clears.
+``checkpoints/step_N/`` only once every file is on disk and the ``COMPLETE`` marker records the
+driver's state and each file's size and SHA-256. A run killed at any moment therefore leaves
+either a complete checkpoint or a partial directory that resume ignores and the next save
+clears; a file damaged or swapped afterwards no longer matches its record, and resume
+(:func:`verified_checkpoints`) falls back to the newest checkpoint that still verifies, saying
+which it skipped and why.
+
+DeepSpeed stores its state with ``torch.save`` (pickle). :func:`safe_torch_load` makes every
+``torch.load`` inside it weights-only: tensors, containers and the few DeepSpeed data classes in
+:data:`ALLOWED_GLOBALS`, nothing that runs code. A crafted pickle is refused with
+:class:`CheckpointError` instead of executed.
 
 Layout::
 
-    checkpoints/step_N/ds/        DeepSpeed state for exact resume (weights, optimizer)
+    checkpoints/step_N/ds/        DeepSpeed state for exact resume (weights, optimizer, scheduler)
     checkpoints/step_N/hf/        HF export: config.json, model.safetensors, tokenizer
-    checkpoints/step_N/COMPLETE   JSON driver state: step, metrics so far
+    checkpoints/step_N/COMPLETE   JSON: {"state": driver state, "files": {path: {bytes, sha256}}}
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+MARKER = "COMPLETE"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that must not be used; the message names the file and what is wrong."""
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -34,11 +50,20 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                os.fsync(f.fileno())
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def file_manifest(root: Path) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"bytes": size, "sha256": digest}}`` of every file under ``root``,
+    fsynced on the way (the manifest vouches for what is on disk)."""
+    files = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != MARKER):
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        files[path.relative_to(root).as_posix()] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    return files
 
 
 def save_checkpoint(run_dir: Path, step: int, write_state: Callable[[str], None], driver_state: dict[str, Any],
@@ -60,8 +85,8 @@ def save_checkpoint(run_dir: Path, step: int, write_state: Callable[[str], None]
     final = root / f"step_{step}"
     partial.mkdir()
     write_state(str(partial))
-    atomic_write_text(partial / "COMPLETE", json.dumps(driver_state))
-    _fsync_tree(partial)
+    marker = {"state": driver_state, "files": file_manifest(partial)}
+    atomic_write_text(partial / MARKER, json.dumps(marker))
     if final.exists():  # an older copy of the same step (a resumed run repeating it)
         shutil.rmtree(final)
     os.replace(partial, final)
@@ -71,23 +96,120 @@ def save_checkpoint(run_dir: Path, step: int, write_state: Callable[[str], None]
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+    """Checkpoints that have a ``COMPLETE`` marker (not yet verified), oldest first."""
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
         match = _STEP_DIR.match(child.name)
-        if match and (child / "COMPLETE").is_file():
+        if match and (child / MARKER).is_file():
             found.append((int(match.group(1)), child))
     return [path for _, path in sorted(found)]
 
 
-def latest_checkpoint(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest complete checkpoint and its driver state, or None."""
+def verify_checkpoint(path: Path) -> dict[str, Any]:
+    """The driver state of checkpoint ``path`` once its marker parses and every file it lists
+    has the recorded size and hash.
+
+    Raises:
+        CheckpointError: naming the marker or the first file that does not match.
+    """
+    marker_path = path / MARKER
+    try:
+        marker = json.loads(marker_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{marker_path} is unreadable ({type(exc).__name__}: {exc}); a crash cut it short "
+                              "or it was edited") from None
+    if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict) or not marker["files"] \
+            or not isinstance(marker.get("state"), dict) or not isinstance(marker["state"].get("step"), int):
+        raise CheckpointError(f"{marker_path} holds {json.dumps(marker)[:80]}, not a checkpoint record "
+                              '({"state": {"step": N, ...}, "files": {...}}); it was written by another tool or edited')
+    for name, record in marker["files"].items():
+        file = path / name
+        if not isinstance(record, dict) or not file.resolve().is_relative_to(path.resolve()):
+            raise CheckpointError(f"{marker_path}: entry {name!r} is not a file record inside the checkpoint")
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing")
+        size = file.stat().st_size
+        if size != record.get("bytes"):
+            raise CheckpointError(f"{file} has {size} bytes, {record.get('bytes')} were written (truncated or replaced)")
+        if _sha256(file) != record.get("sha256"):
+            raise CheckpointError(f"{file} does not match its SHA-256 recorded at save time (altered since)")
+    return marker["state"]
+
+
+def verified_checkpoints(run_dir: Path) -> Iterator[tuple[Path, dict[str, Any] | None, str]]:
+    """Newest first: ``(path, driver state, "")`` for a checkpoint that verifies, ``(path, None,
+    reason)`` for one that does not (the caller says it skips it)."""
     for path in reversed(complete_checkpoints(run_dir)):
         try:
-            return path, json.loads((path / "COMPLETE").read_text())
-        except json.JSONDecodeError:
-            continue  # a marker cut short by a crash: fall back to an older checkpoint
+            yield path, verify_checkpoint(path), ""
+        except CheckpointError as exc:
+            yield path, None, str(exc)
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that verifies, and its driver state, or None."""
+    for path, state, _ in verified_checkpoints(run_dir):
+        if state is not None:
+            return path, state
     return None
+
+
+def _allowed_globals() -> list[Any]:
+    """The non-tensor classes DeepSpeed's checkpoints pickle (ZeRO 0-3, fp32 and bf16): plain data
+    holders whose unpickling sets fields and runs no code of the file's choosing."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextlib.contextmanager
+def safe_torch_load() -> Iterator[None]:
+    """Every ``torch.load`` inside is weights-only with :func:`_allowed_globals`, whatever its
+    caller passes (DeepSpeed passes ``weights_only=False``)."""
+    import torch
+
+    saved = {key: os.environ.pop(key, None) for key in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(_allowed_globals()):
+            yield
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
+
+
+def _pickle_reason(message: str) -> str:
+    lines = [line for line in message.splitlines() if line.strip() and "weights_only" not in line
+             and "Weights only" not in line and "documentation" not in line]
+    return (lines[0] if lines else message.splitlines()[0])[:200]
+
+
+def check_pickles(directory: Path) -> None:
+    """Open every ``*.pt`` under ``directory`` weights-only (memory-mapped, so nothing is read
+    twice in full) before DeepSpeed does, so that a refusal names its file.
+
+    Raises:
+        CheckpointError: a file holds objects outside the allow-list, or is not a torch file.
+    """
+    import torch
+
+    with safe_torch_load():
+        for file in sorted(directory.rglob("*.pt")):
+            try:
+                torch.load(file, map_location="cpu", mmap=True)
+            except pickle.UnpicklingError as exc:
+                found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+                what = f"it names {found.group(1)}" if found else _pickle_reason(str(exc))
+                raise CheckpointError(f"{file} holds a pickled object outside the weights-only allow-list ({what}); "
+                                      "it was not loaded. Someone or something other than opd wrote this file; "
+                                      "do not trust this run directory's checkpoints") from None
+            except (RuntimeError, OSError, EOFError, ValueError) as exc:
+                raise CheckpointError(f"{file} is not a readable torch file ({type(exc).__name__}: "
+                                      f"{str(exc).splitlines()[0][:200]})") from None

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import socket
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -29,28 +29,22 @@ import torch
 
 from opd.generation.packed import causal_forward, packed_forward
 from opd.losses import combined_loss, needs_reference
+from opd.training.checkpoint import CheckpointError, check_pickles, safe_torch_load
 from opd.models import load_model, load_tokenizer, save_model
 from opd.trajectory import TokenBatch
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_single_rank_distributed() -> None:
-    """A one-process torch.distributed world on loopback (gloo on CPU), as DeepSpeed needs."""
+    """A one-process torch.distributed world (gloo on CPU), as DeepSpeed needs, with nothing
+    listening on the network: the rendezvous is a file, not a TCP store (which would bind every
+    interface whatever ``MASTER_ADDR`` says)."""
     import deepspeed
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "0")):
         os.environ.setdefault(key, value)
-    if not torch.distributed.is_initialized():
-        # Always a fresh port: a MASTER_PORT inherited from a parent process (a Ray worker gets
-        # its driver's environment) may be one that parent's own process group still holds.
-        os.environ["MASTER_PORT"] = str(_free_port())
     if not torch.cuda.is_available() and os.environ.get("OPD_DS_SHM_COMM") != "1":
         # DeepSpeed would JIT-compile its shared-memory allreduce op here (minutes of C++ on a
         # small machine) although gloo does the job; OPD_DS_SHM_COMM=1 brings it back.
@@ -58,7 +52,9 @@ def init_single_rank_distributed() -> None:
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+        store = Path(tempfile.mkdtemp(prefix="opd-dist-")) / "rendezvous"
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False,
+                                   init_method=f"file://{store}", rank=0, world_size=1)
 
 
 def student_logprobs(model, batch: TokenBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,5 +244,18 @@ class StudentTrainer:
             save_model(self.engine.module, self.tokenizer, directory / "hf")
 
     def load_checkpoint(self, directory: str) -> None:
-        _, client = self.engine.load_checkpoint(str(Path(directory) / "ds"), tag="state")
+        """Load ``directory``'s DeepSpeed state with no pickled code run: every file is opened
+        weights-only against an allow-list first (:func:`opd.training.checkpoint.check_pickles`),
+        and DeepSpeed's own loads are forced weights-only too.
+
+        Raises:
+            CheckpointError: a file holds something other than tensors and DeepSpeed's data
+                classes, or is unreadable; the engine is left as it was.
+        """
+        ds_dir = Path(directory) / "ds"
+        check_pickles(ds_dir)
+        with safe_torch_load():
+            path, client = self.engine.load_checkpoint(str(ds_dir), tag="state")
+        if path is None:
+            raise CheckpointError(f"{ds_dir}: DeepSpeed found no state to load (tag 'state')")
         self.steps = int((client or {}).get("steps", 0))

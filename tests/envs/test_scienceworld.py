@@ -11,6 +11,8 @@ import pickle
 
 import pytest
 
+pytest.importorskip("scienceworld", reason="ScienceWorld tests need the envs extra (`pip install -e .[envs]`, scripts/setup.sh does it) and Java 17")
+
 from environments.scienceworld_env import (
     TASK_MAX_VARIATIONS,
     ScienceWorldTextEnv,

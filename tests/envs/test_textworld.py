@@ -10,6 +10,8 @@ import json
 
 import pytest
 
+pytest.importorskip("textworld", reason="TextWorld tests need the envs extra (`pip install -e .[envs]`, scripts/setup.sh does it)")
+
 from environments.textworld_env import TextWorldTextEnv, clean_feedback
 from opd.envs import check_env, make_env
 

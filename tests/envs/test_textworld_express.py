@@ -9,6 +9,8 @@ import json
 
 import pytest
 
+pytest.importorskip("textworld_express", reason="TextWorldExpress tests need the envs extra (`pip install -e .[envs]`, scripts/setup.sh does it) and Java 17")
+
 from environments.textworld_express_env import GAME_NAMES, SPLIT_SEEDS, TextWorldExpressTextEnv
 from opd.envs import check_env, make_env
 

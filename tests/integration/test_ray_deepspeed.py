@@ -51,7 +51,8 @@ def test_two_steps_through_ray_and_deepspeed(tmp_path, ray_session):
     from opd.losses import combined_loss
     from opd.models import load_model, load_tokenizer
     from opd.rollout.vanilla import EpisodeSettings, run_episodes
-    from opd.runtime.actors import init_ray, spawn_workers
+    from opd.runtime.actors import spawn_workers
+    from opd.runtime.cluster import init_ray
     from opd.supervision.teacher_view import score_trajectories
     from opd.training.trainer import token_logprobs
 
@@ -85,6 +86,15 @@ def test_two_steps_through_ray_and_deepspeed(tmp_path, ray_session):
     assert first["loss"] == pytest.approx(expected, abs=1e-4)
     assert first["reverse_kl_per_token"] > 0  # a random-move student disagrees with the expert teacher
     assert second["loss"] != first["loss"]
+
+    # Every listening socket of the run (Ray's processes, the three actors, DeepSpeed's gloo
+    # group, the environment children) is on loopback.
+    from opd.runtime.cluster import listening_sockets
+
+    sockets = listening_sockets()
+    names = {name for _, name, _ in sockets}
+    assert {"gcs_server", "raylet"} <= names and any("StudentTrainer" in n for n in names), sockets
+    assert all(address.startswith(("127.0.0.1:", "::ffff:127.0.0.1:", "::1:")) for _, _, address in sockets), sockets
 
     # After the sync the rollout engine holds exactly the trainer's weights, and they moved.
     trained = ray.get(workers.trainer.export_weights.remote())
@@ -135,3 +145,129 @@ def test_cli_run_directory_resume_and_nan_stop(tmp_path, ray_session, capsys):
     assert main(["train", str(TINY), *nan_args]) == 2
     out = capsys.readouterr().out
     assert "NaN or infinite for 2 steps in a row" in out and "Lower trainer.learning_rate" in out
+
+
+class _Exploit:
+    """Unpickling this runs ``touch``: what a crafted checkpoint file would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_resume_verifies_checkpoints_and_refuses_what_it_cannot_trust(tmp_path, ray_session, capsys):
+    """The corruption table: a changed recipe is refused, a truncated checkpoint is skipped for
+    the older one, a crafted pickle (with a forged manifest) is refused without running."""
+    from opd.cli import main
+    from opd.training.checkpoint import MARKER, file_manifest
+
+    args = [f"run.output_dir={tmp_path / 'run'}", f"student.bootstrap.cache_dir={tmp_path.parent / 'cache'}",
+            f"teacher.bootstrap.cache_dir={tmp_path.parent / 'cache'}"]
+    run = tmp_path / "run"
+    assert main(["train", str(TINY), *args]) == 0
+    capsys.readouterr()
+
+    assert main(["train", str(TINY), *args, "trainer.learning_rate=2e-3", "--resume"]) == 2
+    out = capsys.readouterr().out
+    assert "differs from the one" in out and "trainer.learning_rate: 0.001 -> 0.002" in out
+    assert "Traceback" not in out
+
+    states = run / "checkpoints" / "step_2" / "ds" / "state" / "mp_rank_00_model_states.pt"
+    with open(states, "r+b") as f:
+        f.truncate(states.stat().st_size // 2)
+    assert main(["train", str(TINY), *args, "run.total_steps=3", "--resume"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "skipped checkpoint step_2" in out and "were written (truncated or replaced)" in out
+    assert "resumed from" in out and "(step 1)" in out
+    assert (run / "checkpoints" / "rejected-step_2").is_dir()
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+             if "time/step_s" in line]
+    assert steps == [1, 2, 3]
+
+    newest = run / "checkpoints" / "step_3"
+    exploited = tmp_path / "exploited"
+    torch.save({"module": _Exploit(exploited)}, newest / "ds" / "state" / "mp_rank_00_model_states.pt")
+    marker = json.loads((newest / MARKER).read_text())
+    marker["files"] = file_manifest(newest)  # the attacker forges the manifest too
+    (newest / MARKER).write_text(json.dumps(marker))
+    assert main(["train", str(TINY), *args, "run.total_steps=4", "--resume"]) == 2
+    out = capsys.readouterr().out
+    assert "was refused" in out and "names posix.system" in out and "Traceback" not in out
+    assert not exploited.exists()
+
+
+def test_a_failure_inside_an_actor_is_one_message_with_the_way_back(tmp_path, ray_session, capsys):
+    """A user's loss raising at step 3: the console gets the role, the cause (unwrapped from
+    Ray's error), the last complete checkpoint and the resume command; the traceback goes to
+    ``error.log``."""
+    from opd.cli import main
+
+    args = [f"run.output_dir={tmp_path / 'run'}", f"student.bootstrap.cache_dir={tmp_path.parent / 'cache'}",
+            f"teacher.bootstrap.cache_dir={tmp_path.parent / 'cache'}",
+            "losses.0.name=tests.integration.nan_loss.fails_on_fifth_call", "run.total_steps=3"]
+    assert main(["train", str(TINY), *args]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "error: the trainer failed in train_step: RuntimeError: boom: this loss has a bug" in out
+    assert "during training step 3" in out
+    assert f"last complete checkpoint: {tmp_path / 'run' / 'checkpoints' / 'step_2'}" in out
+    assert f"resume with: opd train {TINY} {' '.join(args)} --resume" in out
+    assert "Traceback" not in out
+    log = (tmp_path / "run" / "error.log").read_text()
+    assert "Traceback" in log and "fails_on_fifth_call" in log and "-- inside the trainer --" in log
+
+
+def _sleep(host, seconds):
+    import time
+
+    time.sleep(seconds)
+
+
+def _divide(host, x):
+    return 1 / x
+
+
+def _die(host):
+    import os
+
+    os._exit(3)
+
+
+def test_a_hung_raising_or_dead_actor_becomes_a_worker_error_naming_its_role(ray_session):
+    import time
+    from types import SimpleNamespace
+
+    import ray
+
+    from opd.runtime.actors import RayWorkers
+    from opd.runtime.cluster import init_ray
+    from opd.runtime.errors import WorkerError
+
+    init_ray(SimpleNamespace(num_cpus=2))
+
+    class Host:
+        def run(self, fn, *args):
+            return fn(self, *args)
+
+    actor = ray.remote(Host).options(num_cpus=0).remote()
+    workers = RayWorkers(teacher=actor, rollout=actor, trainer=actor, timeout_s=120.0)
+    assert workers.run("student", _divide, 4) == 0.25  # the actor is up
+    workers.timeout_s = 3.0
+
+    start = time.perf_counter()
+    with pytest.raises(WorkerError, match=r"the rollout did not finish _sleep within 3 s \(resources.actor_timeout_s\)"):
+        workers.run("student", _sleep, 600)
+    assert time.perf_counter() - start < 30
+
+    actor = ray.remote(Host).options(num_cpus=0).remote()
+    workers = RayWorkers(teacher=actor, rollout=actor, trainer=actor, timeout_s=30.0)
+    with pytest.raises(WorkerError, match="the teacher failed in _divide: ZeroDivisionError: division by zero") as info:
+        workers.run("teacher", _divide, 0)
+    assert info.value.role == "teacher" and isinstance(info.value.cause, ZeroDivisionError)
+    assert "in _divide" in info.value.detail and "\x1b[" not in info.value.detail
+    with pytest.raises(WorkerError, match="the teacher actor died during _die") as info:
+        workers.run("teacher", _die)
+    assert info.value.cause is None

@@ -1,12 +1,16 @@
-"""Atomic checkpoints: a crash mid-write never hides or corrupts the last complete one."""
+"""Checkpoints: a crash mid-write never hides or corrupts the last complete one, and a file
+damaged after the save is caught by its recorded size and hash."""
 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
-from opd.training.checkpoint import complete_checkpoints, latest_checkpoint, save_checkpoint
+from opd.training.checkpoint import (CheckpointError, complete_checkpoints, latest_checkpoint, save_checkpoint,
+                                     verified_checkpoints, verify_checkpoint)
 
 
 def _writer(payload: str):
@@ -52,4 +56,62 @@ def test_a_directory_without_marker_or_with_a_torn_marker_is_skipped(tmp_path):
     (torn / "COMPLETE").write_text('{"step": 3')  # cut short
     path, state = latest_checkpoint(tmp_path)
     assert path.name == "step_10"
-    assert json.loads((path / "COMPLETE").read_text()) == state
+    assert json.loads((path / "COMPLETE").read_text())["state"] == state == {"step": 10}
+
+
+def _two_checkpoints(tmp_path):
+    def write(directory: str) -> None:
+        (Path(directory) / "ds").mkdir()
+        (Path(directory) / "ds" / "model_states.pt").write_bytes(b"m" * 1000)
+        (Path(directory) / "ds" / "optim_states.pt").write_bytes(b"o" * 500)
+        (Path(directory) / "hf").mkdir()
+        (Path(directory) / "hf" / "model.safetensors").write_bytes(b"w" * 800)
+
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, write, {"step": step})
+    return tmp_path / "checkpoints" / "step_2"
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (lambda c: _truncate(c / "ds" / "model_states.pt"), "model_states.pt has 500 bytes, 1000 were written"),
+    (lambda c: (c / "ds" / "optim_states.pt").unlink(), "optim_states.pt is missing"),
+    (lambda c: _truncate(c / "hf" / "model.safetensors"), "model.safetensors has 400 bytes, 800 were written"),
+    (lambda c: (c / "hf" / "model.safetensors").write_bytes(b"x" * 800), "does not match its SHA-256"),
+    (lambda c: (c / "COMPLETE").write_text("{}"), "holds {}, not a checkpoint record"),
+    (lambda c: (c / "COMPLETE").write_text("[]"), "holds [], not a checkpoint record"),
+    (lambda c: (c / "COMPLETE").write_text('{"step": 2}'), "not a checkpoint record"),
+    (lambda c: (c / "COMPLETE").write_bytes(b"\xff\xfe"), "is unreadable"),
+    (lambda c: (c / "COMPLETE").write_text(json.dumps({"state": {"step": 2}, "files": {"../../x": {}}})),
+     "is not a file record inside the checkpoint"),
+])
+def test_damage_after_the_save_is_caught_and_the_older_checkpoint_is_used(tmp_path, damage, fragment):
+    newest = _two_checkpoints(tmp_path)
+    assert verify_checkpoint(newest) == {"step": 2}
+    damage(newest)
+    with pytest.raises(CheckpointError, match=re.escape(fragment)):
+        verify_checkpoint(newest)
+    seen = [(path.name, state, reason) for path, state, reason in verified_checkpoints(tmp_path)]
+    assert [(name, state) for name, state, _ in seen] == [("step_2", None), ("step_1", {"step": 1})]
+    assert fragment in seen[0][2]
+    path, state = latest_checkpoint(tmp_path)
+    assert path.name == "step_1" and state == {"step": 1}
+
+
+def test_opd_verify_lists_each_checkpoint_and_fails_on_a_damaged_one(tmp_path, capsys):
+    from opd.cli import main
+
+    newest = _two_checkpoints(tmp_path)
+    assert main(["verify", str(tmp_path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "ok step_1 (step 1)" in out and "ok step_2 (step 2)" in out
+    _truncate(newest / "hf" / "model.safetensors")
+    assert main(["verify", str(tmp_path)]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "ok step_1 (step 1)" in out and "bad step_2:" in out and "model.safetensors has 400 bytes" in out
+    assert main(["verify", str(tmp_path / "nothing")]) == 2
+    assert "holds no complete checkpoint" in capsys.readouterr().out

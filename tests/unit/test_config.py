@@ -29,6 +29,10 @@ def test_every_shipped_recipe_binds_and_every_key_is_read(recipe):
         # A GPU recipe: its models and GPUs are not on this machine, so bind it without validating.
         cfg = _merge(OmegaConf.structured(OPDConfig), OmegaConf.load(recipe), source=str(recipe))
     else:
+        engine = {"ALFWorld": "alfworld", "ScienceWorld": "scienceworld"}
+        for name, module in engine.items():
+            if f"opd/{name}Text" in raw["env"]["id"]:
+                pytest.importorskip(module, reason=f"{recipe.name} needs the envs extra (`pip install -e .[envs]`)")
         cfg = load_config(recipe)
     resolved = OmegaConf.to_container(cfg)
 
@@ -97,11 +101,11 @@ def test_impossible_resources_are_refused():
         ("trainer.micro_batch_size=5", "'trainer.micro_batch_size' (5) must divide 'rollout.episodes_per_step' (32)"),
         ("env.id=opd/Nope-v0", "unknown environment 'opd/Nope-v0'"),
         ("env.eval_split=test", "key 'env.eval_split'"),
-        ("losses.0.name=no_such_loss", "key 'losses.0.name': \"unknown loss 'no_such_loss'"),
+        ("losses.0.name=no_such_loss", "key 'losses.0.name': unknown loss 'no_such_loss'"),
         ("trainer.zero_stage=4", "expected 0, 1, 2 or 3"),
         ("rollout.temperature=-1", "key 'rollout.temperature' is -1.0"),
-        ("trainer.micro_batch_tokens=-1", "key 'trainer.micro_batch_tokens' is -1; expected a number >= 0"),
-        ("supervision.score_batch_tokens=-5", "key 'supervision.score_batch_tokens' is -5; expected a number >= 0"),
+        ("trainer.micro_batch_tokens=-1", "key 'trainer.micro_batch_tokens' is -1; expected 0 <= value <= 1,000,000,000"),
+        ("supervision.score_batch_tokens=-5", "key 'supervision.score_batch_tokens' is -5; expected 0 <= value"),
         ("notakey", "override 'notakey' is not key=value"),
         ("teacher.bootstrap.history=actions", "key 'teacher.bootstrap.history' is 'actions'; expected one of full, state_grounded"),
     ],
@@ -166,3 +170,36 @@ mask_loss.token_mask = "no_such_mask"
 def test_a_loss_on_a_mask_no_algorithm_carries_is_refused():
     with pytest.raises(ConfigError, match=re.escape("train on the token mask(s) ['no_such_mask'] that no registered")):
         load_config(ROOT / "recipes" / "quickstart.yaml", ["losses=[{name: tests.unit.test_config.mask_loss}]"])
+
+
+def test_every_numeric_key_of_the_schema_has_a_bound_and_every_default_is_inside_it():
+    import dataclasses
+    import typing
+
+    import opd.schema as schema
+
+    classes = [c for c in vars(schema).values() if dataclasses.is_dataclass(c) and c.__module__ == schema.__name__]
+    unbounded, outside = [], []
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            kind = typing.get_type_hints(cls)[f.name]
+            kinds = typing.get_args(kind) if typing.get_origin(kind) is typing.Union else (kind,)
+            if not any(k in (int, float) for k in kinds):
+                continue
+            bound = schema.BOUNDS.get(cls, {}).get(f.name)
+            if bound is None:
+                unbounded.append(f"{cls.__name__}.{f.name}")
+            elif f.default is not None and not bound.holds(f.default):
+                outside.append(f"{cls.__name__}.{f.name}={f.default}")
+    assert not unbounded, f"numeric keys without a bound in opd.schema.BOUNDS: {unbounded}"
+    assert not outside, f"defaults outside their bound: {outside}"
+    assert len(classes) >= 10
+
+
+def test_numbers_inside_their_bounds_pass_and_outside_are_refused_with_the_bound(tmp_path):
+    recipe = ROOT / "recipes" / "quickstart.yaml"
+    out = f"run.output_dir={tmp_path / 'run'}"
+    cfg = load_config(recipe, [out, "trainer.adam_beta1=0.0", "trainer.grad_clip_norm=0", "rollout.temperature=0"])
+    assert cfg.trainer.adam_beta1 == 0.0 and cfg.rollout.temperature == 0.0
+    with pytest.raises(ConfigError, match=r"key 'trainer.adam_beta2' is 1.0; expected 0 <= value < 1\."):
+        load_config(recipe, [out, "trainer.adam_beta2=1.0"])

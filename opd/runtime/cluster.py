@@ -1,0 +1,240 @@
+"""Starting Ray for a run: a local Ray that only this machine's user can reach, or a join.
+
+Security posture of a local run (no ``RAY_ADDRESS``):
+
+- **Loopback only.** Every TCP socket of the session (GCS, raylet, the driver's and workers'
+  core workers, the agents, the autoscaler's metrics port) listens on 127.0.0.1, and errors name
+  127.0.0.1. Ray's servers bind to all interfaces (or to the node's IP) unless the node's IP is
+  a loopback address, and ``ray.init(_node_ip_address="127.0.0.1")`` alone does not keep it one
+  on Linux: Ray swaps it for the machine's routable IP unless it runs "local only", as it does
+  on macOS and Windows (see :func:`_local_only`). The dashboard is off.
+- **Token authentication on**, set explicitly (``RAY_AUTH_MODE=token``): every gRPC and HTTP
+  call to the session must carry the token (see :func:`_ensure_token_file`).
+- **Installed code first in the workers.** Ray puts the driver's working directory (and the
+  script's directory) at the front of every worker's ``sys.path``, so a folder holding an
+  ``opd/`` or an ``omegaconf.py`` would replace the real ones inside the actors. The workers
+  here look in those directories last (:func:`_installed_first_hook`): a user's module there
+  (``my_losses.py``, named by dotted path in a recipe) still imports, but cannot shadow an
+  installed package or opd itself.
+
+With ``RAY_ADDRESS`` set the driver joins that cluster as it is: its addresses and its
+authentication belong to whoever started it (a client of a token cluster needs
+``RAY_AUTH_MODE=token`` and the cluster's token). The workers' import order is the same.
+
+Example:
+    >>> init_ray(cfg.resources)  # doctest: +SKIP
+    >>> [s for s in listening_sockets() if not s[2].startswith("127.0.0.1:")]  # doctest: +SKIP
+    []
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+def init_ray(resources: Any) -> None:
+    """Start a local Ray on loopback with token authentication, or join ``RAY_ADDRESS``'s cluster.
+
+    Args:
+        resources: the recipe's ``resources`` section; ``num_cpus`` is the local Ray's CPU count
+            (0: all of this machine's).
+
+    Raises:
+        RuntimeError: the installed Ray cannot run a local session on loopback with token
+            authentication (too old, or its internals moved); the message says what to install.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    runtime_env = worker_runtime_env()
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
+        return
+    _enable_token_auth()
+    with _local_only():
+        # address="local": always a new session of our own, never one that `ray start` left
+        # behind on this machine (ray.init() with no address would join that one).
+        ray.init(address="local", num_cpus=resources.num_cpus or os.cpu_count(), include_dashboard=False,
+                 _node_ip_address=LOOPBACK, runtime_env=runtime_env, log_to_driver=True, configure_logging=False)
+    node_ip = ray.util.get_node_ip_address()
+    if node_ip != LOOPBACK:
+        ray.shutdown()
+        raise RuntimeError(f"Ray {ray.__version__} started on {node_ip}, not on {LOOPBACK}: its services would be "
+                           "reachable from the network, so the run stops. opd's switch for a loopback-only Ray "
+                           "(ray._private.ray_constants.ENABLE_RAY_CLUSTER) no longer works with this Ray; install "
+                           "the Ray opd was tested with (pip install 'ray==2.60.0').")
+
+
+def worker_runtime_env() -> dict[str, Any]:
+    """The job's ``runtime_env``: the driver's import path for the workers, installed code first.
+
+    ``PYTHONPATH`` is the driver's ``sys.path`` in order, with the working directory (and ``''``)
+    moved to the end, after site-packages; the setup hook keeps the directories Ray itself puts
+    first (the working directory and the script's directory) behind installed code.
+    """
+    cwd = os.path.abspath(os.getcwd())
+    later = {cwd, os.path.realpath(cwd)}
+    if sys.argv and sys.argv[0]:
+        later.add(os.path.dirname(os.path.realpath(sys.argv[0])))
+    entries = [p for p in sys.path if p and os.path.abspath(p) not in later]
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join([*entries, cwd])},
+            "worker_process_setup_hook": _installed_first_hook(sorted(later))}
+
+
+def listening_sockets() -> list[tuple[int, str, str]]:
+    """``(pid, process name, "ip:port")`` of each listening TCP socket of this Ray session.
+
+    The session's processes are this driver and every process under it (the GCS, raylet,
+    agents, log monitor and workers of a local Ray), plus those ``ray`` records for this node.
+    A security check for users: on a local run every address starts with ``127.0.0.1:`` (or
+    ``::ffff:127.0.0.1:``, IPv4 loopback on an IPv6 socket). Joining a cluster, only this
+    driver's own sockets are here. psutil comes with DeepSpeed and accelerate (and Ray ships a
+    copy).
+    """
+    import psutil
+    import ray
+
+    me = psutil.Process()
+    procs = {me.pid: me, **{p.pid: p for p in me.children(recursive=True)}}
+    node = ray._private.worker.global_worker.node if ray.is_initialized() else None
+    for infos in (node.all_processes.values() if node is not None else ()):
+        for info in infos:
+            with contextlib.suppress(psutil.Error):
+                root = psutil.Process(info.process.pid)
+                procs.update({p.pid: p for p in [root, *root.children(recursive=True)]})
+    found = []
+    for pid, proc in sorted(procs.items()):
+        with contextlib.suppress(psutil.Error):  # a worker may exit while we look
+            for conn in proc.net_connections(kind="tcp"):
+                if conn.status == psutil.CONN_LISTEN:
+                    found.append((pid, proc.name(), f"{conn.laddr.ip}:{conn.laddr.port}"))
+    return found
+
+
+def _enable_token_auth() -> None:
+    """Turn token authentication on for the session this process starts.
+
+    ``RAY_AUTH_MODE=token`` in this process's environment reaches every Ray process it starts;
+    Ray reads it once, at ``import ray``, so its cached config is re-read here. The token is the
+    first of: ``RAY_AUTH_TOKEN`` (the token itself), ``RAY_AUTH_TOKEN_PATH`` (a file holding it),
+    ``~/.ray/auth_token``. Anyone connecting (``ray.init(address=...)``, ``ray status``, the jobs
+    API) must run with ``RAY_AUTH_MODE=token`` and that token, which Ray sends as
+    ``authorization: Bearer <token>``.
+    """
+    try:
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth as enable
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError as err:
+        raise RuntimeError("opd starts its local Ray with token authentication, which needs Ray 2.52 or newer "
+                           "(pip install 'ray>=2.52').") from err
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+        log.warning("RAY_AUTH_MODE=%s ignored: opd's local Ray always uses token authentication.",
+                    os.environ["RAY_AUTH_MODE"])
+    _ensure_token_file()
+    enable()
+    if not is_token_auth_enabled():
+        raise RuntimeError("Ray did not turn token authentication on (RAY_AUTH_MODE=token); install the Ray opd "
+                           "was tested with (pip install 'ray==2.60.0').")
+
+
+def _ensure_token_file() -> None:
+    """Create ``~/.ray/auth_token`` readable by its owner only, when no token is set anywhere.
+
+    Ray would create the same file itself, but with the default umask (0644 here): readable by
+    every user of the machine who can reach the directory.
+    """
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return
+    path = Path.home() / ".ray" / "auth_token"
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))  # 256 bits, as Ray's own generator
+
+
+@contextlib.contextmanager
+def _local_only() -> Iterator[None]:
+    """Let ``ray.init(_node_ip_address="127.0.0.1")`` keep 127.0.0.1 as the node's IP.
+
+    ``ray._private.services.resolve_ip_for_localhost`` replaces a loopback address with the
+    machine's routable IP unless ``ray_constants.ENABLE_RAY_CLUSTER`` is false (Ray's
+    local-only mode, the default on macOS and Windows). ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
+    sets it too, but only before ``import ray``. The node's IP then decides every bind: the GCS,
+    raylet and core workers listen on it, and the agents and metrics servers bind to loopback
+    when it is loopback, to all interfaces otherwise. The switch is put back after start-up, so
+    a later join of a real cluster from this process resolves addresses as usual.
+    """
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+
+
+def _installed_first_hook(later: list[str]) -> Callable[[], None]:
+    """A worker setup hook that puts the directories ``later`` behind installed code.
+
+    Ray inserts the driver's working directory and script directory at ``sys.path[0]`` of each
+    worker, at its first task (after this hook has run), so reordering ``sys.path`` here would
+    be undone. The hook adds an import finder in front instead: a top-level import is resolved
+    as usual but without ``later``; only a name found nowhere else comes from ``later``. An
+    editable install of opd (found by its own finder, after every ``sys.path`` entry) is
+    covered too. Submodules follow their package.
+
+    The hook is a closure, so Ray pickles it by value and the worker unpickles it without
+    importing opd (which a working directory holding an ``opd/`` could replace): everything it
+    uses is imported inside it.
+    """
+
+    def install_installed_first_finder() -> None:
+        import importlib.machinery
+        import os
+        import sys
+        import threading
+
+        deferred = frozenset(later)
+        busy = threading.local()  # names being resolved on this thread: a finder that asks again
+
+        class InstalledFirst:
+            """Resolves a top-level import with ``deferred`` left out of ``sys.path``."""
+
+            @staticmethod
+            def find_spec(name, path=None, target=None):
+                names = busy.__dict__.setdefault("names", set())
+                if path is not None or name in names:
+                    return None
+                names.add(name)
+                try:
+                    trusted = [p for p in sys.path if os.path.abspath(p or os.curdir) not in deferred]
+                    for finder in sys.meta_path:
+                        if finder is InstalledFirst:
+                            continue
+                        if finder is importlib.machinery.PathFinder:
+                            spec = finder.find_spec(name, trusted, target)
+                        else:
+                            find = getattr(finder, "find_spec", None)
+                            spec = find(name, None, target) if find is not None else None
+                        if spec is not None:
+                            return spec
+                    return None  # nowhere but `deferred`: the usual search finds it there
+                finally:
+                    names.discard(name)
+
+        sys.meta_path.insert(0, InstalledFirst)
+
+    return install_installed_first_finder

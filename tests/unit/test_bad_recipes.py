@@ -1,0 +1,145 @@
+"""A corpus of bad recipes and overrides, each through ``opd check`` as a user would type it.
+
+Every case must end with exit status 2 and one clear message that names the key, file or value
+(the fragment asserted here), and never a traceback on the console.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
+
+# (overrides on the quickstart recipe, a fragment the message must hold)
+OVERRIDES = [
+    (["trainer.learning_rate=.nan"], "key 'trainer.learning_rate' is nan; expected a finite number (0 < value <= 1)"),
+    (["trainer.learning_rate=.inf"], "key 'trainer.learning_rate' is inf; expected a finite number"),
+    (["trainer.learning_rate=0"], "key 'trainer.learning_rate' is 0.0; expected 0 < value <= 1"),
+    (["trainer.learning_rate=-1e-3"], "key 'trainer.learning_rate' is -0.001"),
+    (["trainer.learning_rate=abc"], "key 'trainer.learning_rate' has value 'abc' of type str; expected a number"),
+    (["trainer.adam_beta1=1.0"], "key 'trainer.adam_beta1' is 1.0; expected 0 <= value < 1"),
+    (["trainer.adam_beta2=-0.1"], "key 'trainer.adam_beta2' is -0.1; expected 0 <= value < 1"),
+    (["trainer.grad_clip_norm=-1"], "key 'trainer.grad_clip_norm' is -1.0; expected 0 <= value"),
+    (["trainer.max_nonfinite_steps=0"], "key 'trainer.max_nonfinite_steps' is 0; expected 1 <= value"),
+    (["trainer.weight_decay=.nan"], "key 'trainer.weight_decay' is nan"),
+    (["trainer.warmup_steps=-1"], "key 'trainer.warmup_steps' is -1; expected 0 <= value"),
+    (["trainer.min_lr_ratio=1.5"], "key 'trainer.min_lr_ratio' is 1.5; expected 0 <= value <= 1"),
+    (["trainer.zero_stage=4"], "key 'trainer.zero_stage' is 4; expected 0, 1, 2 or 3"),
+    (["trainer.micro_batch_size=0"], "key 'trainer.micro_batch_size' is 0; expected 1 <= value"),
+    (["trainer.micro_batch_size=5"], "'trainer.micro_batch_size' (5) must divide 'rollout.episodes_per_step'"),
+    (["trainer.lr=1"], "unknown key 'trainer.lr'. Did you mean 'trainer.learning_rate'?"),
+    (["run.save_every_steps=-5"], "key 'run.save_every_steps' is -5; expected 0 <= value"),
+    (["run.keep_checkpoints=0"], "key 'run.keep_checkpoints' is 0; expected 1 <= value"),
+    (["run.total_steps=0"], "key 'run.total_steps' is 0; expected 1 <= value"),
+    (["run.total_steps=1.5"], "key 'run.total_steps' has value 1.5 of type float; expected an integer"),
+    (["run.eval_episodes=-1"], "key 'run.eval_episodes' is -1"),
+    (["run.seed=-1"], "key 'run.seed' is -1; expected 0 <= value"),
+    (["run.output_dir=/proc/opd/run"], "key 'run.output_dir' is '/proc/opd/run', but nothing can be created in /proc"),
+    (["rollout.max_new_tokens=1000000000"], "key 'rollout.max_new_tokens' is 1000000000; expected 1 <= value <= 1,000,000"),
+    (["rollout.max_new_tokens=4096", "rollout.max_context_tokens=4096"],
+     "'rollout.max_new_tokens' (4096) must be below 'rollout.max_context_tokens' (4096)"),
+    (["rollout.temperature=-.inf"], "key 'rollout.temperature' is -inf; expected a finite number"),
+    (["rollout.temperature=.nan"], "key 'rollout.temperature' is nan"),
+    (["rollout.temperature=-1"], "key 'rollout.temperature' is -1.0; expected 0 <= value <= 100"),
+    (["rollout.episodes_per_step=0"], "key 'rollout.episodes_per_step' is 0"),
+    (["rollout.group_size=3"], "key 'rollout.group_size' (3) must divide 'rollout.episodes_per_step'"),
+    (["supervision.top_k=0"], "key 'supervision.top_k' is 0; expected 1 <= value"),
+    (["supervision.scoring=exact"], "key 'supervision.scoring' is 'exact'; expected one of sampled, topk, full"),
+    (["supervision.teacher_view=omniscient"], "key 'supervision.teacher_view' is 'omniscient'"),
+    (["supervision.cross_tokenizer=true", "supervision.scoring=topk"], "works with 'supervision.scoring: sampled' only"),
+    (["supervision.score_batch_tokens=-5"], "key 'supervision.score_batch_tokens' is -5"),
+    (["losses.0.name=.foo"], "loss '.foo' is not a dotted path of Python names"),
+    (["losses.0.name=os.sep"], "loss 'os.sep' is a str, not a function"),
+    (["losses.0.name=os.getcwd"], "loss 'os.getcwd' has signature getcwd(); a loss takes two arguments"),
+    (["losses.0.name=no_such_loss"], "key 'losses.0.name': unknown loss 'no_such_loss'"),
+    (["losses.0.name=no_such_pkg.loss"], "cannot import module 'no_such_pkg' for loss 'no_such_pkg.loss'"),
+    (["losses.0.name=opd.losses.nonexistent"], "module 'opd.losses' has no function 'nonexistent'"),
+    (["losses.0.weight=.inf"], "key 'losses.0.weight' is inf"),
+    (["losses.0.args.beta=.nan"], "key 'losses.0.args.beta' is nan; expected a finite number"),
+    (["losses=[]"], "key 'losses' is empty"),
+    (["algorithm=grpo"], "need the teacher's grades; algorithm 'grpo' does not consult the teacher"),
+    (["env.id=opd/Nope-v0"], "unknown environment 'opd/Nope-v0'"),
+    (["env.timeout_s=0"], "key 'env.timeout_s' is 0.0; expected 0 < value"),
+    (["env.memory_limit_mb=-1"], "key 'env.memory_limit_mb' is -1.0"),
+    (["env.cpu_time_limit_s=.inf"], "key 'env.cpu_time_limit_s' is inf"),
+    (["env.kwargs.map_size=.nan"], "key 'env.kwargs.map_size' is nan; expected a finite number"),
+    (["env.eval_split=test"], "key 'env.eval_split'"),
+    (["env.module=no_such_module"], "key 'env.module': cannot import 'no_such_module'"),
+    (["env.isolation=thread"], "key 'env.isolation' is 'thread'; expected one of subprocess, inprocess"),
+    (["resources.trainer_cpus=64"], "ask for"),
+    (["resources.teacher_gpus=1"], "GPUs but this machine has 0"),
+    (["resources.actor_timeout_s=0"], "key 'resources.actor_timeout_s' is 0.0; expected 0 < value"),
+    (["resources.num_cpus=-2"], "key 'resources.num_cpus' is -2; expected 0 <= value"),
+    (["student.prefix_cache_mb=-1"], "key 'student.prefix_cache_mb' is -1.0"),
+    (["student.dtype=float8"], "key 'student.dtype' is 'float8'; expected one of float32, bfloat16, float16"),
+    (["student.bootstrap.hint_prob=2"], "key 'student.bootstrap.hint_prob' is 2.0; expected 0 <= value <= 1"),
+    (["teacher.bootstrap.arch.num_layers=0"], "key 'teacher.bootstrap.arch.num_layers' is 0; expected 1 <= value"),
+    (["teacher.bootstrap.seed=-3"], "key 'teacher.bootstrap.seed' is -3"),
+    (["pivot.recovery_turns=-1"], "key 'pivot.recovery_turns' is -1; expected 0 <= value"),
+    (["actfirst.action_max_new_tokens=0"], "key 'actfirst.action_max_new_tokens' is 0"),
+    (["algorithm=ppo"], "key 'algorithm' is 'ppo'; expected one of"),
+    (["notakey"], "override 'notakey' is not key=value"),
+    (["run.total_steps=[1"], "override 'run.total_steps=[1': cannot parse the value"),
+]
+
+# (recipe text, a fragment the message must hold); {path} is the recipe's own path
+FILES = [
+    ("env: [1, 2\n", "not valid YAML"),
+    ("- a\n- b\n", "a recipe must be a mapping of sections"),
+    ("", "required key(s) 'env.id' not set"),
+    (b"\xb2\x00\xff garbage", "not valid YAML"),
+    ("env:\n  id: opd/FrozenLakeText-v0\nteacher: 5\n", "key 'teacher' is 5; expected a mapping (path, engine"),
+    ("env: {}\n", "required key(s) 'env.id' not set"),
+    ("env: {id: opd/FrozenLakeText-v0}\nlosses: {name: reverse_kl}\n", "key 'losses' is a mapping; expected a list"),
+    ("env: {id: opd/FrozenLakeText-v0}\nlosses: [reverse_kl]\n", "key 'losses.0' is 'reverse_kl'; expected a mapping (name"),
+    ("env:\n  id: opd/FrozenLakeText-v0\nrun:\n  total_steps: ${oops}\n", "key 'run.total_steps': Interpolation key 'oops' not found"),
+    ("env: {id: opd/FrozenLakeText-v0}\nfoo: 1\n", "unknown key 'foo'"),
+    ("env: {id: opd/FrozenLakeText-v0, kwargs: 3}\n", "key 'env.kwargs' is 3; expected a mapping"),
+]
+
+
+def _check(capsys, recipe, overrides):
+    from opd.cli import main
+
+    code = main(["check", str(recipe), *overrides])
+    captured = capsys.readouterr()
+    out = " ".join((captured.out + captured.err).split())
+    return code, out
+
+
+@pytest.mark.parametrize("overrides, fragment", OVERRIDES, ids=[" ".join(o) for o, _ in OVERRIDES])
+def test_a_bad_override_gets_one_clear_message(capsys, tmp_path, overrides, fragment):
+    code, out = _check(capsys, QUICKSTART, [f"run.output_dir={tmp_path / 'run'}", *overrides])
+    assert code == 2, out
+    assert out.startswith("error: ") and fragment in out, out
+    assert "Traceback" not in out and "full traceback" not in out
+
+
+@pytest.mark.parametrize("text, fragment", FILES, ids=[f"file{i}" for i in range(len(FILES))])
+def test_a_bad_recipe_file_gets_one_clear_message(capsys, tmp_path, text, fragment):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_bytes(text if isinstance(text, bytes) else text.encode())
+    code, out = _check(capsys, recipe, [])
+    assert code == 2, out
+    assert out.startswith("error: ") and fragment in out and str(recipe) in out, out
+    assert "Traceback" not in out
+
+
+def test_paths_that_are_not_recipes_or_run_directories(capsys, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for recipe, overrides, fragment in [
+        (tmp_path / "missing.yaml", [], "recipe file not found"),
+        (tmp_path, [], "recipe file not found"),
+        (QUICKSTART, [f"run.output_dir={a_file}"], f"key 'run.output_dir' is '{a_file}', which is a file"),
+        (QUICKSTART, [f"run.output_dir={a_file}/run"], f"but {a_file} is a file"),
+    ]:
+        code, out = _check(capsys, recipe, overrides)
+        assert code == 2 and fragment in out and "Traceback" not in out, out
+
+
+def test_the_corpus_is_large():
+    assert len(OVERRIDES) + len(FILES) + 4 >= 50
