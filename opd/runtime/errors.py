@@ -10,7 +10,16 @@ from __future__ import annotations
 
 
 class RunError(RuntimeError):
-    """A run that must stop; the message says why and what was kept."""
+    """A run that must stop; the message says why and what was kept.
+
+    ``resumable`` is False where ``--resume`` with the same command cannot help (a recipe that
+    differs from the run's, a checkpoint refused as tampered): the CLI then offers no resume
+    command.
+    """
+
+    def __init__(self, message: str, resumable: bool = True):
+        super().__init__(message)
+        self.resumable = resumable
 
 
 class WorkerError(RunError):
@@ -24,7 +33,7 @@ class WorkerError(RunError):
     """
 
     def __init__(self, role: str, message: str, cause: BaseException | None = None, detail: str = ""):
-        super().__init__(message)
+        super().__init__(message, resumable=True)
         self.role = role
         self.cause = cause
         self.detail = detail

@@ -174,7 +174,7 @@ def test_resume_verifies_checkpoints_and_refuses_what_it_cannot_trust(tmp_path, 
     assert main(["train", str(TINY), *args, "trainer.learning_rate=2e-3", "--resume"]) == 2
     out = capsys.readouterr().out
     assert "differs from the one" in out and "trainer.learning_rate: 0.001 -> 0.002" in out
-    assert "Traceback" not in out
+    assert "Traceback" not in out and "resume with" not in out  # the same command would fail again
 
     states = run / "checkpoints" / "step_2" / "ds" / "state" / "mp_rank_00_model_states.pt"
     with open(states, "r+b") as f:
@@ -197,6 +197,7 @@ def test_resume_verifies_checkpoints_and_refuses_what_it_cannot_trust(tmp_path, 
     assert main(["train", str(TINY), *args, "run.total_steps=4", "--resume"]) == 2
     out = capsys.readouterr().out
     assert "was refused" in out and "names posix.system" in out and "Traceback" not in out
+    assert "resume with" not in out
     assert not exploited.exists()
 
 
