@@ -2,9 +2,17 @@
 
     opd train RECIPE [key=value ...] [--resume]   train; overrides use dotted keys
     opd check RECIPE [key=value ...]              validate a recipe without running it
-    opd envs                                      list the registered environments
+    opd envs [--module M]                         list the registered environments (and M's)
+    opd eval SOURCE [key=value ...]               pass@k over a turn-budget grid, without training
+    opd compare A B [key=value ...]               matched-state comparison of two policies' next actions
+    opd report RUN_DIR                            one self-contained report.html with a trajectory viewer
     opd references build RECIPE [key=value ...]   build ActFirst's reference trajectories once
     opd verify RUN_DIR                            check every checkpoint's files against their hashes
+
+A SOURCE (``opd eval``, ``opd compare``) is a run directory (its newest checkpoint; ``RUN_DIR@N``
+step N's, ``RUN_DIR@0`` the starting student, ``RUN_DIR@teacher`` its teacher), a model directory
+(with ``--recipe``) or a recipe (``RECIPE.yaml@student``, the default, or ``@teacher``); see
+:mod:`opd.runtime.offline`.
 
 Predictable mistakes (a bad recipe, a missing model, a run directory that already holds a
 run) print one clear message and exit with status 2. Anything else that stops a command prints
@@ -60,7 +68,39 @@ def main(argv: list[str] | None = None) -> int:
     check_p = sub.add_parser("check", help="validate a recipe and print the resolved config")
     check_p.add_argument("recipe")
     check_p.add_argument("overrides", nargs="*")
-    sub.add_parser("envs", help="list registered environments")
+    envs_p = sub.add_parser("envs", help="list registered environments")
+    envs_p.add_argument("--module", action="append", default=[],
+                        help="import this module first (one that registers your environments, as env.module does)")
+    eval_p = sub.add_parser("eval", help="evaluate a policy: pass@k over a turn-budget grid, without training")
+    eval_p.add_argument("source", help="RUN_DIR[@N|@teacher], MODEL_DIR (with --recipe) or RECIPE.yaml[@student|@teacher]")
+    eval_p.add_argument("overrides", nargs="*", help="key=value on the recipe, e.g. env.eval_split=train")
+    eval_p.add_argument("--recipe", help="the recipe to evaluate under (default: the run's own config.yaml)")
+    eval_p.add_argument("--step", type=int, help="a run directory's checkpoint step (0: the starting student); "
+                        "same as RUN_DIR@N")
+    eval_p.add_argument("--samples", type=int, default=8, help="episodes per task and budget: pass@k for k = 1..n")
+    eval_p.add_argument("--budgets", default="0.25,0.5,1", help="fractions of the environment's turn budget")
+    eval_p.add_argument("--temperature", type=float, help="sampling temperature (default: the recipe's rollout.temperature)")
+    eval_p.add_argument("--tasks", type=int, help="number of tasks (default: run.eval_episodes)")
+    eval_p.add_argument("--split", help="task split (default: env.eval_split)")
+    eval_p.add_argument("--name", help="result name: eval/<name>.json (default: from the source)")
+    eval_p.add_argument("--out", help="results directory (default: the run directory's eval/)")
+    eval_p.add_argument("--batch", type=int, default=32, help="episodes per engine call")
+    cmp_p = sub.add_parser("compare", help="matched-state comparison of two policies' next actions")
+    cmp_p.add_argument("a", help="policy A (a SOURCE as for opd eval)")
+    cmp_p.add_argument("b", help="policy B")
+    cmp_p.add_argument("overrides", nargs="*", help="key=value on the recipe")
+    cmp_p.add_argument("--recipe", help="the recipe both are evaluated under (default: A's)")
+    cmp_p.add_argument("--reference", default="a", help="where the states come from: a, b, or an episodes .parquet file")
+    cmp_p.add_argument("--judge", choices=["expert", "rollouts"], default="expert",
+                       help="expert: the environment's expert plays on after each action; rollouts: A continues")
+    cmp_p.add_argument("--rollouts", type=int, default=4, help="continuations per action with --judge rollouts")
+    cmp_p.add_argument("--tasks", type=int, help="reference episodes (default: run.eval_episodes)")
+    cmp_p.add_argument("--split", help="task split (default: env.eval_split)")
+    cmp_p.add_argument("--name", help="result name: eval/compare_<name>.json")
+    cmp_p.add_argument("--out", help="results directory (default: B's run directory's eval/)")
+    report_p = sub.add_parser("report", help="write RUN_DIR/report.html: curves, evaluation tables, trajectory viewer")
+    report_p.add_argument("run_dir")
+    report_p.add_argument("--out", help="the HTML file (default: RUN_DIR/report.html)")
     refs_p = sub.add_parser("references", help="ActFirst reference trajectories")
     refs_p.add_argument("action", choices=["build"])
     refs_p.add_argument("recipe")
@@ -93,16 +133,45 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _command(args: argparse.Namespace, console: Any) -> int:
-    from opd.config import load_config, to_yaml
+    from opd.config import ConfigError, load_config, to_yaml
 
     if args.command == "envs":
+        import importlib
+
         from opd.envs import list_envs
 
+        for module in args.module:
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                raise ConfigError(f"--module {module}: cannot import it ({exc}); run from the directory that holds it, "
+                                  "or install its package") from None
         for env_id, description in list_envs():
             console.print(f"{env_id:32s} {description}")
         return 0
     if args.command == "verify":
         return _verify(Path(args.run_dir), console)
+    if args.command == "report":
+        from opd.evaluation.html_report import write_html_report
+
+        if not (Path(args.run_dir) / "metrics.jsonl").is_file():
+            raise ConfigError(f"{args.run_dir} is not a run directory (no metrics.jsonl)")
+        out = write_html_report(Path(args.run_dir), Path(args.out) if args.out else None)
+        console.print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KiB); open it in a browser, no network needed")
+        return 0
+    if args.command in ("eval", "compare"):
+        from opd.runtime.offline import compare_command, evaluate_command
+
+        if args.command == "eval":
+            source = f"{args.source}@{args.step}" if args.step is not None else args.source
+            evaluate_command(source, args.recipe, args.overrides, console, name=args.name, samples=args.samples,
+                             budgets=_fractions(args.budgets), temperature=args.temperature, tasks=args.tasks,
+                             split=args.split, out=args.out, batch=args.batch)
+        else:
+            compare_command(args.a, args.b, args.recipe, args.overrides, console, reference=args.reference,
+                            judge=args.judge, rollouts=args.rollouts, tasks=args.tasks, split=args.split,
+                            name=args.name, out=args.out)
+        return 0
     cfg = load_config(args.recipe, args.overrides)
     args.run_dir = cfg.run.output_dir
     if args.command == "check":
@@ -119,6 +188,15 @@ def _command(args: argparse.Namespace, console: Any) -> int:
 
     train(cfg, resume=args.resume, console=console)
     return 0
+
+
+def _fractions(text: str) -> list[float]:
+    from opd.config import ConfigError
+
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"--budgets takes comma-separated fractions such as 0.25,0.5,1 (got {text!r})") from None
 
 
 def _verify(run_dir: Path, console: Any) -> int:

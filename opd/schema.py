@@ -191,6 +191,19 @@ class RunConfig:
     # state_grounded (actions only) | auto (the algorithm's choice, resolved at load)
     save_every_steps: int = 25  # checkpoint cadence; 0: only at the end
     keep_checkpoints: int = 2  # newest complete checkpoints kept
+    trajectory_every_steps: int = 10  # write a sample of the step's scored episodes (token ids, behaviour and
+    # teacher logprobs) to trajectories/train_step_N.parquet every this many steps, for `opd report`; 0: never
+    trajectory_episodes: int = 4  # episodes in each such sample (the first ones of the step)
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go besides ``metrics.jsonl`` and tensorboard (always written)."""
+
+    wandb_project: str | None = None  # a Weights & Biases project; needs `pip install wandb` (the `tracking` extra)
+    wandb_mode: Literal["offline", "online"] = "offline"  # offline: files under RUN_DIR/wandb, synced later
+    # with `wandb sync`; online: streamed (needs a login and the network)
+    mlflow: bool = False  # also log to an MLflow file store at RUN_DIR/mlruns (needs `pip install mlflow`)
 
 
 @dataclass
@@ -225,6 +238,7 @@ class OPDConfig:
     losses: list[LossConfig] = field(default_factory=lambda: [LossConfig(name="reverse_kl")])
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
 
@@ -282,7 +296,8 @@ BOUNDS: dict[type, dict[str, Bound]] = {
                     "adam_beta2": Bound(0, 1, high_strict=True), "grad_clip_norm": Bound(0, 1e6),
                     "micro_batch_size": _COUNT, "micro_batch_tokens": _CAP, "max_nonfinite_steps": Bound(1, 10**6)},
     RunConfig: {"total_steps": Bound(1, 10**9), "seed": _SEED, "eval_every_steps": Bound(0, 10**9),
-                "eval_episodes": _COUNT, "save_every_steps": Bound(0, 10**9), "keep_checkpoints": Bound(1, 10_000)},
+                "eval_episodes": _COUNT, "save_every_steps": Bound(0, 10**9), "keep_checkpoints": Bound(1, 10_000),
+                "trajectory_every_steps": Bound(0, 10**9), "trajectory_episodes": Bound(1, 100_000)},
     ResourcesConfig: {"num_cpus": _CPUS, "teacher_cpus": _CPUS, "rollout_cpus": _CPUS, "trainer_cpus": _CPUS,
                       "teacher_gpus": _GPUS, "rollout_gpus": _GPUS, "trainer_gpus": _GPUS,
                       "torch_threads": Bound(0, 100_000), "actor_timeout_s": Bound(0, 10**7, low_strict=True)},

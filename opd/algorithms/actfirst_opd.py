@@ -108,6 +108,8 @@ def train_step(ctx: RunContext, step: int) -> dict[str, float]:
     clock.lap("generation")
     scores = ctx.workers.score(trajs, cfg.supervision)
     clock.lap("teacher_scoring")
+    ctx.episodes.train_sample(step, trajs, scores, {i: {t: ["aligned"] for t in stats.aligned_turns(i)}
+                                                    for i in range(len(trajs))})
     batch = build_episode_batch(trajs, scores, ctx.fmt.pad_id, ctx.fmt, cfg.rollout.group_size)
     metrics = train_and_sync(ctx, batch, clock)
     metrics.update(stats.metrics())

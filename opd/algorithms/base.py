@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Protocol
 
 from opd.chat import ChatFormat
@@ -69,6 +69,30 @@ class Workers(Protocol):
         importable (a module-level function)."""
 
 
+class EpisodeRecorder(Protocol):
+    """Where a run keeps episodes token by token (:mod:`opd.evaluation.trajectories`): a sample
+    of the training episodes with the teacher's scores, and every evaluation episode."""
+
+    def train_sample(self, step: int, trajs: list[Trajectory], scores: list[TokenScores] | None = None,
+                     marks: dict[int, dict[int, list[str]]] | None = None) -> None:
+        """Called by every algorithm once per step after scoring; keeps the step's first
+        episodes when the step is due (``run.trajectory_every_steps``). ``marks`` names turns
+        (``{episode: {turn: ["pivot"]}}``)."""
+
+    def evaluation(self, step: int, who: Role, trajs: list[Trajectory]) -> None:
+        """Keeps every episode of a held-out evaluation."""
+
+
+class NoRecorder:
+    """An :class:`EpisodeRecorder` that keeps nothing (tests, scripts)."""
+
+    def train_sample(self, step, trajs, scores=None, marks=None) -> None:
+        pass
+
+    def evaluation(self, step, who, trajs) -> None:
+        pass
+
+
 @dataclass
 class RunContext:
     """What an algorithm's ``train_step`` and the evaluation get from the driver.
@@ -81,6 +105,8 @@ class RunContext:
         train_settings: sampling for training rollouts (the recipe's temperature).
         eval_settings: greedy, past turns shown as ``run.eval_history`` says.
         fmt: the student's ChatML ids.
+        episodes: where episodes are kept for ``opd report`` (the driver's writes
+            ``trajectories/*.parquet``).
     """
 
     cfg: OPDConfig
@@ -91,6 +117,7 @@ class RunContext:
     train_settings: EpisodeSettings
     eval_settings: EpisodeSettings
     fmt: ChatFormat
+    episodes: EpisodeRecorder = field(default_factory=NoRecorder)
 
 
 def no_rules(cfg: OPDConfig, source: str) -> None:

@@ -25,6 +25,7 @@ def train_step(ctx: RunContext, step: int) -> dict[str, float]:
     tasks, seed = step_tasks(ctx, step)
     trajs, gen = ctx.workers.collect("student", ctx.env_factory, tasks, ctx.train_settings, seed)
     clock.lap("generation")
+    ctx.episodes.train_sample(step, trajs)
     batch = build_token_batch(trajs, None, ctx.fmt.pad_id, ctx.fmt, ctx.cfg.rollout.group_size)
     metrics = train_and_sync(ctx, batch, clock)
     metrics.update(episode_metrics(trajs, gen))

@@ -220,6 +220,17 @@ def pivot_mask(batch: TokenBatch, judgements: dict[int, Judgement]) -> torch.Ten
 
 
 # -- the step ------------------------------------------------------------------------------------
+def pivot_marks(judgements: dict[int, Judgement], requests: list[tuple[Trajectory, int, str]],
+                trajs: list[Trajectory]) -> dict[int, dict[int, list[str]]]:
+    """The turns a report marks: each failure's pivotal turn, and the turns after it that got a
+    self-teacher response."""
+    marks: dict[int, dict[int, list[str]]] = {i: {jd.pivot_turn: ["pivot"]} for i, jd in judgements.items()}
+    index = {id(traj): i for i, traj in enumerate(trajs)}
+    for traj, turn, _ in requests:
+        marks.setdefault(index[id(traj)], {}).setdefault(turn, []).append("recovery")
+    return marks
+
+
 def train_step(ctx: RunContext, step: int) -> dict[str, float]:
     """Run one PivotOPD step."""
     cfg = ctx.cfg
@@ -242,6 +253,7 @@ def train_step(ctx: RunContext, step: int) -> dict[str, float]:
     samples = ctx.workers.run("student", self_teacher, requests, cfg.rollout.max_new_tokens, cfg.rollout.temperature,
                               cfg.pivot.hint_top_k, seed)
     clock.lap("self_teacher")
+    ctx.episodes.train_sample(step, trajs, scores, pivot_marks(judgements, requests, trajs))
 
     batch = build_token_batch(trajs, scores, ctx.fmt.pad_id, ctx.fmt, cfg.rollout.group_size)
     masks = {"pivot": pivot_mask(batch, judgements), "recovery": torch.zeros_like(batch.loss_mask_BT)}

@@ -36,6 +36,7 @@ def train_step(ctx: RunContext, step: int) -> dict[str, float]:
     clock.lap("generation")
     scores = ctx.workers.score(trajs, ctx.cfg.supervision)
     clock.lap("teacher_scoring")
+    ctx.episodes.train_sample(step, trajs, scores)
     batch = build_token_batch(trajs, scores, ctx.fmt.pad_id, ctx.fmt, ctx.cfg.rollout.group_size)
     metrics = train_and_sync(ctx, batch, clock)
     metrics.update(episode_metrics(trajs, gen))

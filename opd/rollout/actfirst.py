@@ -170,6 +170,12 @@ class ActFirstStats:
     drain_s: float  # waiting for outstanding full responses after the last step
     generation_s: float  # the whole rollout
 
+    def aligned_turns(self, i: int) -> list[int]:
+        """The turns of episode ``i`` that acted along its reference (every check up to and
+        including the turn passed)."""
+        first = self.first_deviation[i]
+        return [t for t, mode in enumerate(self.modes[i]) if mode == "reference" and (first is None or first > t)]
+
     def metrics(self) -> dict[str, float]:
         """Alignment by turn, first deviation, latencies, S_ideal and the time split.
 

@@ -24,7 +24,7 @@ from opd.generation.base import SamplingParams
 from opd.rollout.env_pool import EnvFailure, InProcessEnvs
 from opd.trajectory import Trajectory, Turn
 
-INFO_KEYS = ("success", "valid_action", "expert_action", "turn")
+INFO_KEYS = ("success", "valid_action", "expert_action", "turn", "score")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,16 @@ class EpisodeSettings:
     env_memory_limit_mb: float = 4096.0  # subprocess: an env process's memory cap; 0: none
     env_cpu_time_limit_s: float = 60.0  # subprocess: CPU seconds per reset or step; 0: none
     history: str = "full"  # full: past turns keep their whole response | state_grounded: their action only
+
+
+def episode_settings(cfg, temperature: float, history: str = "full") -> EpisodeSettings:
+    """The recipe's (:class:`opd.schema.OPDConfig`) episode settings at ``temperature``, past
+    turns shown as ``history`` says."""
+    return EpisodeSettings(
+        max_new_tokens=cfg.rollout.max_new_tokens, temperature=temperature,
+        max_context_tokens=cfg.rollout.max_context_tokens, system_prompt=cfg.rollout.system_prompt,
+        env_isolation=cfg.env.isolation, env_timeout_s=cfg.env.timeout_s, env_memory_limit_mb=cfg.env.memory_limit_mb,
+        env_cpu_time_limit_s=cfg.env.cpu_time_limit_s, history=history)
 
 
 def kept_info(info: dict) -> dict:

@@ -2,7 +2,8 @@
 
 Everything a run writes lives in ``run.output_dir``:
 
-- ``config.yaml``: the resolved config; ``trajectories/``: every evaluation episode as text;
+- ``config.yaml``: the resolved config; ``trajectories/``: every evaluation episode and a sample
+  of the training episodes, token by token (:mod:`opd.evaluation.trajectories`);
   ``metrics.jsonl``: one JSON line per step and per
   evaluation; ``tb/``: tensorboard events; ``checkpoints/step_N/``: see
   :mod:`opd.training.checkpoint`; ``summary.json`` and ``report.png`` at the end.
@@ -34,7 +35,8 @@ __all__ = ["RESUMABLE_KEYS", "MetricsLog", "RunError", "recipe_changes", "train"
 # What a resumed run may change: how long it goes on, how often it evaluates and saves, where it
 # writes, and how long a call may take. Anything else would make the resumed run a different one.
 RESUMABLE_KEYS = ("run.total_steps", "run.eval_every_steps", "run.save_every_steps", "run.keep_checkpoints",
-                  "run.output_dir", "resources.actor_timeout_s")
+                  "run.output_dir", "run.trajectory_every_steps", "run.trajectory_episodes",
+                  "resources.actor_timeout_s", "logging.wandb_project", "logging.wandb_mode", "logging.mlflow")
 
 
 class MetricsLog:
@@ -81,10 +83,11 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
     from opd.chat import ChatFormat
     from opd.envs import EnvFactory
     from opd.evaluation.heldout import evaluate
+    from opd.evaluation.trajectories import RunEpisodes
     from opd.evaluation.report import Progress, render_summary, write_report_plot
     from opd.models import TokenizerMismatchError, check_tokenizers_match, load_tokenizer
     from opd.provisioning import resolve_model_path
-    from opd.rollout.vanilla import EpisodeSettings
+    from opd.rollout.vanilla import episode_settings
     from opd.runtime.actors import spawn_workers
     from opd.runtime.cluster import init_ray
 
@@ -132,13 +135,10 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
 
     init_ray(cfg.resources)
     workers = spawn_workers(cfg, student_path, teacher_path)
-    settings = dict(max_new_tokens=cfg.rollout.max_new_tokens, max_context_tokens=cfg.rollout.max_context_tokens,
-                    system_prompt=cfg.rollout.system_prompt, env_isolation=cfg.env.isolation,
-                    env_timeout_s=cfg.env.timeout_s, env_memory_limit_mb=cfg.env.memory_limit_mb,
-                    env_cpu_time_limit_s=cfg.env.cpu_time_limit_s)
     ctx = RunContext(cfg, workers, env_factory, train_tasks, eval_tasks,
-                     EpisodeSettings(temperature=cfg.rollout.temperature, **settings),
-                     EpisodeSettings(temperature=0.0, history=cfg.run.eval_history, **settings), fmt)
+                     episode_settings(cfg, cfg.rollout.temperature), episode_settings(cfg, 0.0, cfg.run.eval_history), fmt,
+                     RunEpisodes(run_dir, {"student": student_tok, "teacher": teacher_tok},
+                                 cfg.run.trajectory_every_steps, cfg.run.trajectory_episodes))
     algorithm = get_algorithm(cfg.algorithm)
 
     state: dict[str, Any] = {"step": 0, "train_time_s": 0.0, "evals": []}
@@ -167,6 +167,7 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
     try:
         for step in range(state["step"] + 1, cfg.run.total_steps + 1):
             step_metrics = algorithm.train_step(ctx, step)
+            step_metrics["time/trajectory_write_s"] = ctx.episodes.take_seconds()
             state["train_time_s"] += step_metrics["time/step_s"]
             state["step"] = step
             nonfinite_streak = nonfinite_streak + 1 if step_metrics.get("nonfinite_loss") else 0

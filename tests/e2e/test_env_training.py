@@ -38,5 +38,7 @@ def test_opd_trains_on_the_environment(tmp_path, recipe):
         assert math.isfinite(s["loss"]) and s["nonfinite_loss"] == 0.0 and s["grad_norm"] > 0
         assert s["env_errors"] == 0.0 and s["turns_per_episode"] >= 1
     # The evaluation episodes were played in the real engine: their observations are its text.
-    episodes = [json.loads(line) for line in (run / "trajectories" / "student_step_2.jsonl").read_text().splitlines()]
+    from opd.evaluation.trajectories import read_episodes
+
+    episodes = read_episodes(run / "trajectories" / "eval_student_step_2.parquet")
     assert len(episodes) == 2 and all(e["turns"] and e["turns"][0]["observation"] for e in episodes)

@@ -108,7 +108,10 @@ def test_two_steps_through_ray_and_deepspeed(tmp_path, ray_session):
 def test_cli_run_directory_resume_and_nan_stop(tmp_path, ray_session, capsys):
     from opd.cli import main
 
-    cfg_args = [f"run.output_dir={tmp_path / 'run'}", f"student.bootstrap.cache_dir={tmp_path.parent / 'cache'}",
+    from opd.evaluation.trajectories import read_episodes
+
+    cfg_args = [f"run.output_dir={tmp_path / 'run'}", "run.trajectory_every_steps=1", "run.trajectory_episodes=2",
+                f"student.bootstrap.cache_dir={tmp_path.parent / 'cache'}",
                 f"teacher.bootstrap.cache_dir={tmp_path.parent / 'cache'}"]
     assert main(["train", str(TINY), *cfg_args]) == 0
     run = tmp_path / "run"
@@ -128,9 +131,28 @@ def test_cli_run_directory_resume_and_nan_stop(tmp_path, ray_session, capsys):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["student_success_after"] is not None
     assert (run / "report.png").stat().st_size > 1000
-    episodes = [json.loads(line) for line in (run / "trajectories" / "student_step_2.jsonl").read_text().splitlines()]
+    episodes = read_episodes(run / "trajectories" / "eval_student_step_2.parquet")
     assert len(episodes) == 4 and all(e["turns"] and "observation" in e["turns"][0] for e in episodes)
-    assert (run / "trajectories" / "teacher_step_0.jsonl").is_file()
+    assert all(e["kind"] == "eval/student" and e["step"] == 2 for e in episodes)
+    turn = episodes[0]["turns"][0]
+    assert len(turn["response_ids"]) == len(turn["response_tokens"]) == len(turn["behaviour_logprobs"]) > 0
+    assert turn["teacher_logprobs"] == [] and episodes[0]["task_prompt"]
+    assert (run / "trajectories" / "eval_teacher_step_0.parquet").is_file()
+    # A training sample every step (the recipe's trajectory_every_steps=1), with the teacher's
+    # logprob of every response token: the rows a report's viewer colours.
+    sample = read_episodes(run / "trajectories" / "train_step_2.parquet")
+    assert len(sample) == 2 and all(e["kind"] == "train" for e in sample)
+    for turn in (t for e in sample for t in e["turns"]):
+        assert len(turn["teacher_logprobs"]) == len(turn["response_ids"]) == len(turn["behaviour_logprobs"])
+        assert all(x <= 0.0 for x in turn["teacher_logprobs"] + turn["behaviour_logprobs"])
+    assert all(0.0 <= r["time/trajectory_write_s"] < r["time/step_s"] for r in records if "time/step_s" in r)
+    # opd eval of the run's newest checkpoint (verified, then loaded from its hf/ export) and of a missing step.
+    capsys.readouterr()
+    assert main(["eval", str(run), "--samples", "2", "--tasks", "2", "--budgets", "1"]) == 0
+    result = json.loads((run / "eval" / "step_2.json").read_text())
+    assert result["model"] == str(run / "checkpoints" / "step_2" / "hf") and len(result["pass_at_k"]) == 2
+    assert main(["eval", f"{run}@7"]) == 2
+    assert "has no complete checkpoint of step 7 (it has steps 1, 2; 0 is the starting student)" in capsys.readouterr().out
 
     # Refuses to clobber, then resumes from step 2 to step 3 with no duplicated lines.
     assert main(["train", str(TINY), *cfg_args, "run.total_steps=3"]) == 2
