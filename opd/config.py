@@ -21,6 +21,7 @@ import math
 import os
 import re
 import tempfile
+import types
 import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -129,15 +130,19 @@ def _merge(base: DictConfig, extra: DictConfig, source: str) -> DictConfig:
 
 
 def _apply_override(cfg: DictConfig, item: str) -> None:
-    """``key=value`` in place; the value is parsed as YAML (``null``, numbers, lists...)."""
+    """``key=value`` in place; the value is parsed as YAML (``null``, numbers, lists...), and an
+    empty value (``key=``) means what :func:`_empty_value` says."""
     key, sep, text = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {item!r} is not key=value (e.g. trainer.learning_rate=3e-4)")
     source = f"override {item!r}"
-    try:
-        value = OmegaConf.create({"v": None} if not text else f"v: {text}").v
-    except Exception as exc:  # noqa: BLE001 - any YAML error
-        raise ConfigError(f"{source}: cannot parse the value {text!r}: {exc}") from None
+    if not text.strip():
+        value = _empty_value(key.strip(), source)
+    else:
+        try:
+            value = OmegaConf.create(f"v: {text}").v
+        except Exception as exc:  # noqa: BLE001 - any YAML error
+            raise ConfigError(f"{source}: cannot parse the value {text!r}: {exc}") from None
     try:
         OmegaConf.update(cfg, key.strip(), value, merge=True)
     except (oc_errors.ConfigKeyError, oc_errors.ConfigAttributeError) as exc:
@@ -159,17 +164,50 @@ def _type_error(exc: oc_errors.ValidationError, source: str) -> ConfigError:
     )
 
 
-def _field_choices(full_key: str) -> tuple | None:
-    """The choices of the schema field at ``full_key`` when its type is a ``Literal``."""
+def _empty_value(full_key: str, source: str) -> Any:
+    """What an empty override (``key=``) sets, by the schema's type of ``key``; the one rule:
+
+    - an optional key (``X | None``: ``student.bootstrap``, ``teacher.bootstrap.seed``): None;
+    - a string key (``str`` or a ``Literal`` of strings: ``env.module``, ``rollout.system_prompt``):
+      the empty string, the value the schema itself uses for "none" (``env.module: ""``);
+    - a key the schema does not type (inside ``env.kwargs`` or a loss's ``args``): None, as YAML
+      reads an empty value;
+    - any other key (a number, a list, a section): refused, naming the key and its type.
+    """
+    kind = _schema_field(full_key)
+    if kind is _UNKNOWN or _is_optional(kind):
+        return None
+    if kind is str or typing.get_origin(kind) is typing.Literal and all(isinstance(c, str) for c in typing.get_args(kind)):
+        return ""
+    name = getattr(kind, "__name__", str(kind))
+    raise ConfigError(f"{source}: key '{full_key}' takes a value of type {name} and cannot be empty; give one "
+                      f"(e.g. {full_key}=<value>) or leave the override out to keep the recipe's.")
+
+
+_UNKNOWN = object()  # a key the schema does not type
+
+
+def _schema_field(full_key: str) -> Any:
+    """The schema's type annotation of the key ``full_key`` (``losses.0.name``: ``LossConfig.name``),
+    or ``_UNKNOWN`` for a key it does not type (an unknown key, one inside a free-form mapping)."""
     node: Any = OPDConfig
     for part in full_key.split("."):
-        if part.isdigit():  # a list item: the list's element type
-            node = typing.get_args(node)[0] if typing.get_args(node) else None
-            continue
         node = _unwrap_optional(node)
+        if part.isdigit() and typing.get_origin(node) is list:  # a list item: the list's element type
+            node = typing.get_args(node)[0]
+            continue
         if not dataclasses.is_dataclass(node):
-            return None
-        node = typing.get_type_hints(node).get(part)
+            return _UNKNOWN
+        hints = typing.get_type_hints(node)
+        if part not in hints:
+            return _UNKNOWN
+        node = hints[part]
+    return node
+
+
+def _field_choices(full_key: str) -> tuple | None:
+    """The choices of the schema field at ``full_key`` when its type is a ``Literal``."""
+    node = _unwrap_optional(_schema_field(full_key))
     return typing.get_args(node) if typing.get_origin(node) is typing.Literal else None
 
 
@@ -241,14 +279,22 @@ def _check_finite(node: Any, key: str, source: str) -> None:
             raise ConfigError(f"{source}: key '{key}.{name}' is {value}; expected a finite number.")
 
 
+def _is_optional(kind: Any) -> bool:
+    """``Optional[X]`` or ``X | None``."""
+    return typing.get_origin(kind) in (typing.Union, types.UnionType) and type(None) in typing.get_args(kind)
+
+
 def _unwrap_optional(kind: Any) -> Any:
-    while typing.get_origin(kind) is typing.Union:
+    while typing.get_origin(kind) in (typing.Union, types.UnionType):
         kind = next(a for a in typing.get_args(kind) if a is not type(None))
     return kind
 
 
 def _check_output_dir(path: str, source: str) -> None:
     """``run.output_dir`` is a directory that exists or can be created, and is writable."""
+    if not path.strip():
+        raise ConfigError(f"{source}: key 'run.output_dir' is empty; give the run directory (e.g. "
+                          "run.output_dir=runs/my_run), so a run never writes into the current directory.")
     target = Path(os.path.expanduser(path))
     if target.exists() and not target.is_dir():
         raise ConfigError(f"{source}: key 'run.output_dir' is {path!r}, which is a file, not a directory; "
@@ -391,7 +437,7 @@ def _in_hub_cache(repo_id: str) -> bool:
 def _validate_env(env: Any, source: str) -> None:
     import importlib
 
-    from opd.envs import make_env
+    from opd.envs import UnknownEnvironmentError, make_env, unknown_environment
 
     if env.module:
         try:
@@ -400,6 +446,8 @@ def _validate_env(env: Any, source: str) -> None:
             raise ConfigError(f"{source}: key 'env.module': cannot import {env.module!r}: {exc}") from None
     try:
         instance = make_env(env.id, **env.kwargs)
+    except UnknownEnvironmentError:
+        raise ConfigError(f"{source}: key 'env.id': {unknown_environment(env.id, env.module)}") from None
     except ValueError as exc:
         raise ConfigError(f"{source}: key 'env': {exc}") from None
     except TypeError as exc:

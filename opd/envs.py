@@ -18,7 +18,9 @@ Contract:
       ``transition_matches(observation, reference)`` (ActFirst's ``transition_check: env``).
 
 Environments live in the top-level ``environments`` package, whose import registers
-them all; :func:`check_env` verifies a new one against this contract.
+them all; a user's own environment is registered (``gymnasium.register``) by a module of theirs,
+named in the recipe's ``env.module`` and imported first (:class:`EnvFactory`). :func:`check_env`
+verifies a new one against this contract.
 
 Example:
     >>> env = make_env("opd/FrozenLakeText-v0", max_turns=8)
@@ -60,18 +62,44 @@ def registered_ids() -> list[str]:
     return sorted(env_id for env_id in gymnasium.registry if env_id.startswith(ENV_NAMESPACE))
 
 
+def _user_ids() -> list[str]:
+    """Sorted ids registered outside opd and Gymnasium itself (a user's module, already imported)."""
+    def from_gymnasium(entry_point: Any) -> bool:
+        name = entry_point if isinstance(entry_point, str) else getattr(entry_point, "__module__", "") or ""
+        return name.split(".")[0].split(":")[0] == "gymnasium"
+
+    return sorted(env_id for env_id, spec in gymnasium.registry.items()
+                  if not env_id.startswith(ENV_NAMESPACE) and not from_gymnasium(spec.entry_point))
+
+
+class UnknownEnvironmentError(ValueError):
+    """An environment id that nothing registered (:func:`unknown_environment` says more)."""
+
+
+def unknown_environment(env_id: str, module: str = "") -> UnknownEnvironmentError:
+    """The error for an unregistered ``env_id``: the registered ids, and how a user's own
+    environment gets registered (``gymnasium.register`` in a module named in ``env.module``)."""
+    known = ", ".join([*registered_ids(), *_user_ids()])
+    if module:
+        how = (f"Module {module!r} (env.module) was imported but registered no {env_id!r}; check the id it "
+               "passes to gymnasium.register")
+    else:
+        how = ("For an environment of your own, call gymnasium.register(id=..., entry_point=\"your_pkg.envs:YourEnv\") "
+               "in a module of yours and name that module in the recipe's env.module, which is imported first "
+               "(docs/environments.md, \"Your own environment\")")
+    return UnknownEnvironmentError(f"unknown environment {env_id!r}; registered: {known}. {how}.")
+
+
 def make_env(env_id: str, **kwargs: Any) -> gymnasium.Env:
     """Makes a registered environment; ``kwargs`` go to its constructor.
 
     Raises:
-        ValueError: If ``env_id`` is not registered (the message lists the opd ids).
+        UnknownEnvironmentError: If ``env_id`` is not registered (a ValueError; the message lists the
+            registered ids and says how to register one).
     """
     ensure_registered()
     if env_id not in gymnasium.registry:
-        raise ValueError(
-            f"unknown environment {env_id!r}; registered: {', '.join(registered_ids()) or '(none)'}; "
-            "add yours with gymnasium.register in the environments package"
-        )
+        raise unknown_environment(env_id)
     # The passive checker would sample Text spaces and warn on free-form text; check_env replaces it.
     return gymnasium.make(env_id, disable_env_checker=True, **kwargs)
 
@@ -81,14 +109,14 @@ def env_class(env_id: str, module: str = "") -> Any:
     made: what a caller reads class attributes from (``tokenizer_words``, ``transition_matches``).
 
     Raises:
-        ValueError: If ``env_id`` is not registered.
+        UnknownEnvironmentError: If ``env_id`` is not registered, ``module`` imported.
         ImportError: If its engine is not installed.
     """
     if module:
         importlib.import_module(module)
     ensure_registered()
     if env_id not in gymnasium.registry:
-        raise ValueError(f"unknown environment {env_id!r}; registered: {', '.join(registered_ids()) or '(none)'}")
+        raise unknown_environment(env_id, module)
     entry_point = gymnasium.registry[env_id].entry_point
     if isinstance(entry_point, str):
         module_name, _, attr = entry_point.partition(":")
@@ -97,9 +125,10 @@ def env_class(env_id: str, module: str = "") -> Any:
 
 
 def list_envs() -> list[tuple[str, str]]:
-    """(id, one-line description) for every registered ``opd/`` env, from its class docstring."""
+    """(id, one-line description) for every registered ``opd/`` env, and every env a user's
+    module already imported registered (``opd envs --module M``), from its class docstring."""
     result = []
-    for env_id in registered_ids():
+    for env_id in [*registered_ids(), *_user_ids()]:
         try:
             entry_point = env_class(env_id)
         except ImportError as exc:  # its engine is not installed: say so rather than fail the listing
@@ -144,7 +173,10 @@ class EnvFactory:
     def __call__(self) -> gymnasium.Env:
         if self.module:
             importlib.import_module(self.module)
-        return make_env(self.env_id, **self.kwargs)
+        try:
+            return make_env(self.env_id, **self.kwargs)
+        except UnknownEnvironmentError:
+            raise unknown_environment(self.env_id, self.module) from None
 
     def env_class(self) -> Any:
         """The environment's registered class, without making one (:func:`env_class`)."""

@@ -31,18 +31,25 @@ For ActFirst (``docs/actfirst.md``) three options shape the SFT rows:
 
 Their defaults leave the targets, and the cache keys of models built before them, unchanged.
 
+A build reports its stages (the tokenizer's corpus, the scripted episodes, the SFT steps with
+their loss) through ``log`` (:class:`StageProgress`): a progress bar when ``log`` is a rich
+console's ``log`` on a terminal, otherwise a line at every tenth of a stage (at most one every
+:data:`PROGRESS_MIN_INTERVAL_S`), and a closing line per stage either way.
+
 Example:
     >>> path = resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, log=print)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import random
+import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from omegaconf import OmegaConf
@@ -63,6 +70,89 @@ CHAT_WORDS = ("user", "assistant", "system", "Invalid action")  # in every envir
 # Before environments named their own words, every tokenizer's corpus was seeded with these; a
 # tokenizer whose environment names them still is the same, and keeps its cache key.
 LEGACY_TOKENIZER_WORDS = ("left", "down", "right", "up")
+PROGRESS_LINES = 10  # without a terminal, a stage logs a line at every tenth of the way...
+PROGRESS_MIN_INTERVAL_S = 5.0  # ...but not sooner than this after its previous line (its last line always)
+
+
+class StageProgress:
+    """How far one stage of a bootstrap build is (``what``: ``"SFT step"``), told through ``log``.
+
+    When ``log`` is the ``log`` method of a rich ``Console`` on a terminal (the CLI's), a progress
+    bar with the time left, removed when the stage ends; otherwise a line at every tenth of the
+    stage (:data:`PROGRESS_LINES`), none sooner than :data:`PROGRESS_MIN_INTERVAL_S` after the
+    previous one, so a fast stage stays quiet and a slow one is never silent for long. Either
+    way :meth:`finish` logs one closing line.
+
+    Example:
+        >>> with StageProgress(print, "SFT step", total=100) as progress:  # doctest: +SKIP
+        ...     for k in range(100):
+        ...         progress.advance(k + 1, f"loss {loss:.4f}")
+        ...     progress.finish(f"loss {loss:.4f}")
+        bootstrap: SFT step 10/100, loss 3.1415 (12s, about 1m48s left)
+        ...
+    """
+
+    def __init__(self, log: Callable[[str], None], what: str, total: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.log, self.what, self.total, self.clock = log, what, total, clock
+        self.started = self.last_line = clock()
+        self.tenths_logged = 0
+        self.bar = None
+        console = getattr(log, "__self__", None)  # a bound Console.log
+        if total > 0 and type(console).__module__.startswith("rich.") and getattr(console, "is_terminal", False):
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn(f"bootstrap: {what}"), BarColumn(bar_width=24), MofNCompleteColumn(),
+                                TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
+                                console=console, transient=True)
+            self.task = self.bar.add_task(what, total=total, status="")
+            self.bar.start()
+
+    def __enter__(self) -> "StageProgress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop_bar()
+
+    def _stop_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+    def advance(self, done: int, status: str = "") -> None:
+        """``done`` of ``total`` are done; ``status`` (e.g. ``"loss 2.8465"``) goes after the count."""
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, status=status)
+            return
+        tenths, now = done * PROGRESS_LINES // max(1, self.total), self.clock()
+        if done >= self.total or tenths <= self.tenths_logged or now - self.last_line < PROGRESS_MIN_INTERVAL_S:
+            return  # the last one is finish()'s
+        self.tenths_logged, self.last_line = tenths, now
+        elapsed = now - self.started
+        left = elapsed / done * (self.total - done)
+        self.log(f"bootstrap: {self.what} {done}/{self.total}{', ' + status if status else ''} "
+                 f"({elapsed:.0f}s, about {left:.0f}s left)")
+
+    def finish(self, status: str = "") -> None:
+        """The stage's closing line: the total, ``status`` and the time it took."""
+        self._stop_bar()
+        self.log(f"bootstrap: {self.what} {self.total}/{self.total}{', ' + status if status else ''} "
+                 f"in {self.clock() - self.started:.1f}s")
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' own bars ("Writing model shards") off while a built model is saved: the
+    build reports its progress itself. Put back as they were afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def resolve_model_path(model_cfg: Any, env_cfg: Any, seed: int, log: Callable[[str], None]) -> str:
@@ -125,8 +215,10 @@ def _policy(kind: str, rng: random.Random) -> Callable[[dict], str | None]:
     return lambda info: rng.choice(info["admissible_actions"]) if info.get("admissible_actions") else expert(info)
 
 
-def build_tokenizer(env_cfg: Any, vocab_size: int, cache_root: Path, corpus_episodes: int = TOKENIZER_CORPUS_EPISODES):
-    """The shared tokenizer for an environment, trained once on its text and cached."""
+def build_tokenizer(env_cfg: Any, vocab_size: int, cache_root: Path, corpus_episodes: int = TOKENIZER_CORPUS_EPISODES,
+                    log: Callable[[str], None] | None = None):
+    """The shared tokenizer for an environment, trained once on its text and cached; ``log``
+    (if given) hears how far the corpus's episodes are."""
     factory = EnvFactory(env_cfg.id, dict(_plain(env_cfg.kwargs)), env_cfg.module)
     words = tuple(getattr(factory.env_class(), "tokenizer_words", ()))
     payload = {"v": CACHE_VERSION, "env": env_cfg.id, "kwargs": _plain(env_cfg.kwargs), "vocab": vocab_size}
@@ -142,20 +234,24 @@ def build_tokenizer(env_cfg: Any, vocab_size: int, cache_root: Path, corpus_epis
     tasks = env.unwrapped.task_ids(env_cfg.train_split)
     rng = random.Random(0)
     corpus = [*words, *CHAT_WORDS]
-    for i in range(min(corpus_episodes, len(tasks))):
-        for obs, action, _ in scripted_episode(env, tasks[i], _policy("random_valid", rng), seed=i):
-            corpus += [obs, action]
-    env.close()
-    tokenizer = train_chat_tokenizer(corpus, vocab_size=vocab_size)
-    save_directory_atomically(directory, tokenizer.save_pretrained)
+    n_episodes = min(corpus_episodes, len(tasks))
+    with StageProgress(log or (lambda _: None), "tokenizer corpus episode", n_episodes) as progress:
+        for i in range(n_episodes):
+            for obs, action, _ in scripted_episode(env, tasks[i], _policy("random_valid", rng), seed=i):
+                corpus += [obs, action]
+            progress.advance(i + 1)
+        env.close()
+        tokenizer = train_chat_tokenizer(corpus, vocab_size=vocab_size)
+        save_directory_atomically(directory, tokenizer.save_pretrained)
+        progress.finish(f"BPE of {vocab_size} tokens trained (cached in {directory})")
     return load_tokenizer(str(directory))
 
 
-def resolve_tokenizer(boot: Any, env_cfg: Any, cache_root: Path):
+def resolve_tokenizer(boot: Any, env_cfg: Any, cache_root: Path, log: Callable[[str], None] | None = None):
     """The tokenizer ``boot.tokenizer`` names: trained on the env's text (``""``), SmolLM2's
     (``"smollm2"``), or the one saved in a directory."""
     if not boot.tokenizer:
-        return build_tokenizer(env_cfg, boot.tokenizer_vocab_size, cache_root, boot.corpus_episodes)
+        return build_tokenizer(env_cfg, boot.tokenizer_vocab_size, cache_root, boot.corpus_episodes, log)
     if boot.tokenizer == "smollm2":
         return load_tokenizer(smollm2_tokenizer_dir(cache_root))
     return load_tokenizer(boot.tokenizer)
@@ -271,7 +367,9 @@ def build_bootstrap_model(boot: Any, env_cfg: Any, seed: int, log: Callable[[str
     directory = cache_root / f"{boot.policy}-{bootstrap_key(boot, env_cfg, seed)}"
     if (directory / "model.safetensors").is_file():
         return str(directory)
-    tokenizer = resolve_tokenizer(boot, env_cfg, cache_root)
+    log(f"bootstrap: building the {boot.policy} model of {env_cfg.id} ({boot.n_episodes} episodes, "
+        f"{boot.sft_steps} SFT steps; cached in {directory} for later runs)")
+    tokenizer = resolve_tokenizer(boot, env_cfg, cache_root, log)
     fmt = ChatFormat.from_tokenizer(tokenizer)
     env = EnvFactory(env_cfg.id, dict(_plain(env_cfg.kwargs)), env_cfg.module)()
     tasks = env.unwrapped.task_ids(env_cfg.train_split)
@@ -279,20 +377,24 @@ def build_bootstrap_model(boot: Any, env_cfg: Any, seed: int, log: Callable[[str
     choose = _policy(boot.policy, rng)
     rows = []
     action_only_rng = random.Random(f"{seed}:action_only")  # its own stream: the episodes stay as before
-    for i in range(boot.n_episodes):
-        task = tasks[i % len(tasks)]
-        steps = scripted_episode(env, task, choose, seed=i, explore_prob=boot.explore_prob, rng=rng)
-        rows.append(_sft_row(steps, task, tokenizer, fmt, boot.think, boot.history))
-        if boot.action_only_prob > 0:
-            rows += _actfirst_rows(steps, tokenizer, fmt, boot.action_only_prob, boot.think, action_only_rng)
-        if boot.hint_prob > 0:
-            rows += hint_rows(steps, tokenizer, fmt, boot.hint_prob, random.Random(f"{seed}:hint:{i}"), boot.think)
-    env.close()
+    with StageProgress(log, f"{boot.policy} episode", boot.n_episodes) as progress:
+        for i in range(boot.n_episodes):
+            task = tasks[i % len(tasks)]
+            steps = scripted_episode(env, task, choose, seed=i, explore_prob=boot.explore_prob, rng=rng)
+            rows.append(_sft_row(steps, task, tokenizer, fmt, boot.think, boot.history))
+            if boot.action_only_prob > 0:
+                rows += _actfirst_rows(steps, tokenizer, fmt, boot.action_only_prob, boot.think, action_only_rng)
+            if boot.hint_prob > 0:
+                rows += hint_rows(steps, tokenizer, fmt, boot.hint_prob, random.Random(f"{seed}:hint:{i}"), boot.think)
+            progress.advance(i + 1)
+        env.close()
+        progress.finish(f"{len(rows)} SFT sequences")
     model = tiny_qwen3(tokenizer, boot.arch, seed=seed).train()
     log(f"bootstrap: SFT of a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter model on "
-        f"{boot.n_episodes} {boot.policy} episodes ({len(rows)} sequences) for {boot.sft_steps} steps (cached in {directory})")
+        f"{boot.n_episodes} {boot.policy} episodes ({len(rows)} sequences) for {boot.sft_steps} steps")
     sft(model, rows, fmt.pad_id, boot, seed, log)
-    save_directory_atomically(directory, lambda d: save_model(model.eval(), tokenizer, d))
+    with _no_progress_bars():
+        save_directory_atomically(directory, lambda d: save_model(model.eval(), tokenizer, d))
     return str(directory)
 
 
@@ -306,21 +408,22 @@ def sft(model, rows: list[dict], pad_id: int, boot: Any, seed: int, log: Callabl
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_multiplier(boot.sft_steps // 20, boot.sft_steps, "cosine", min_lr_ratio=0.0))
     rng = random.Random(seed)
-    for step in range(boot.sft_steps):
-        # Whole episodes and single turns mix in a batch: forwards of similar lengths (the loss
-        # normalised over the whole batch) give its gradient without padding turns to episodes.
-        batch = TokenBatch.from_rows(rng.sample(rows, min(boot.batch_size, len(rows))), pad_id).with_totals()
-        optimizer.zero_grad(set_to_none=True)
-        loss = torch.zeros(())
-        for micro in batch.micro_batches(len(batch), SFT_BATCH_TOKENS):
-            part, _ = sft_loss(micro.with_student(token_logprobs(model, micro)), {})
-            part.backward()
-            loss += part.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        if (step + 1) % max(1, boot.sft_steps // 5) == 0:
-            log(f"bootstrap: step {step + 1}/{boot.sft_steps} loss {loss.item():.4f}")
+    with StageProgress(log, "SFT step", boot.sft_steps) as progress:
+        for step in range(boot.sft_steps):
+            # Whole episodes and single turns mix in a batch: forwards of similar lengths (the loss
+            # normalised over the whole batch) give its gradient without padding turns to episodes.
+            batch = TokenBatch.from_rows(rng.sample(rows, min(boot.batch_size, len(rows))), pad_id).with_totals()
+            optimizer.zero_grad(set_to_none=True)
+            loss = torch.zeros(())
+            for micro in batch.micro_batches(len(batch), SFT_BATCH_TOKENS):
+                part, _ = sft_loss(micro.with_student(token_logprobs(model, micro)), {})
+                part.backward()
+                loss += part.detach()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            progress.advance(step + 1, f"loss {loss.item():.4f}")
+        progress.finish(f"loss {loss.item():.4f}" if boot.sft_steps else "")
 
 
 def hint_rows(steps: list[tuple[str, str, bool]], tokenizer, fmt: ChatFormat, prob: float, rng: random.Random,

@@ -1,19 +1,69 @@
 """What a person sees: live progress on the terminal, the closing summary table and a plot of
-the run (``report.png``: held-out success and reverse KL against steps)."""
+the run (``report.png``: held-out success, and the reverse KL to the teacher or else each loss
+term, against steps).
+
+The trainer's metrics hold each loss term of the recipe as ``loss/<name>`` (and the term's own
+scalars as ``<name>/<scalar>``); ``reverse_kl_per_token`` is the KL headline when a term reports a
+reverse KL (:func:`opd.algorithms.step.with_reverse_kl_headline`). Both views read those keys
+generically, so a custom loss shows up as its built-in neighbours do.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+MAX_TERMS_SHOWN = 3  # loss terms on the progress line; the rest are in metrics.jsonl
+# The bar's columns before the status ("train", a bar rich may narrow to ~10, "3/10", elapsed,
+# remaining): a status longer than the terminal's width less this squeezes the times to "0:…".
+BAR_COLUMNS_WIDTH = 40
+KL_KEY = "reverse_kl_per_token"
+
+
+def loss_terms(metrics: dict[str, Any]) -> dict[str, float]:
+    """``{name: value}`` of each ``loss/<name>`` term, in the recipe's order."""
+    return {key[len("loss/"):]: value for key, value in metrics.items() if key.startswith("loss/")}
+
+
+def short_name(name: str, width: int = 12) -> str:
+    """A loss name that fits a progress line: kept up to ``width`` characters, else each
+    ``_``-separated word cut to 4 letters (``pivot_preventive`` -> ``pivo_prev``), then cut to ``width``."""
+    if len(name) <= width:
+        return name
+    return "_".join(word[:4] for word in name.split("_"))[:width]
+
+
+def format_duration(seconds: float) -> str:
+    """``45s``, ``1m20s``, ``2h05m``."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 class Progress:
-    """A live progress bar on a terminal; one plain line per step otherwise (CI logs)."""
+    """A live progress bar on a terminal; one plain line per step otherwise (CI logs), ending
+    with the time left at the mean wall-clock time of the steps so far (``eta 1m20s``).
 
-    def __init__(self, console: Any, total: int, start: int):
+    The status after ``loss`` names the recipe's loss terms when it has several (at most
+    :data:`MAX_TERMS_SHOWN`), then ``kl`` (the reverse KL headline) when a term reports one.
+
+    Example:
+        >>> progress = Progress(None, total=10, start=0)  # doctest: +SKIP
+        >>> progress.update(1, {"loss": 0.5, "loss/reverse_kl": 0.1, "loss/sft": 0.4, "reverse_kl_per_token": 0.1})  # doctest: +SKIP
+        step 1/10: loss +0.500 reverse_kl +0.100 sft +0.400 kl 0.100 succ 0.00 0.0s/it eta 18s
+    """
+
+    def __init__(self, console: Any, total: int, start: int, clock: Callable[[], float] = time.monotonic):
         self.console = console
+        self.total, self.start = total, start
+        self.clock = clock
+        self.started_at = clock()
         self.live = None
         if console is not None and console.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -25,19 +75,41 @@ class Progress:
             self.task = self.live.add_task("train", total=total, completed=start, status="")
             self.live.start()
 
-    def update(self, step: int, metrics: dict[str, float]) -> None:
-        status = f"loss {metrics.get('loss', float('nan')):+.3f} "
-        if "reverse_kl_per_token" in metrics:
-            status += f"kl {metrics['reverse_kl_per_token']:.3f} "
+    def status(self, metrics: dict[str, float], width: int | None = None) -> str:
+        """The step's line after the step count: the loss, its terms, the KL headline, success, speed.
+
+        The terms are shown when the recipe has two or more (a lone term is the loss, times its
+        weight), at most :data:`MAX_TERMS_SHOWN`, and, given a ``width``, only as many as fit in it:
+        the rest of the line comes first.
+        """
+        terms = loss_terms(metrics)
+        shown = [f"{short_name(name)} {value:+.3f}" for name, value in terms.items()][:MAX_TERMS_SHOWN] if len(terms) > 1 else []
+        rest = []
+        if KL_KEY in metrics:
+            rest.append(f"kl {metrics[KL_KEY]:.3f}")
         if "pivot/found_rate" in metrics:
-            status += f"pivots {metrics['pivot/found_rate'] * metrics.get('pivot/failures', 0):.0f} "
-        status += f"succ {metrics.get('success', 0.0):.2f} {metrics.get('time/step_s', 0.0):.1f}s/it"
+            rest.append(f"pivots {metrics['pivot/found_rate'] * metrics.get('pivot/failures', 0):.0f}")
+        rest.append(f"succ {metrics.get('success', 0.0):.2f} {metrics.get('time/step_s', 0.0):.1f}s/it")
         if "eval/student_success" in metrics:
-            status += f"  eval {metrics['eval/student_success']:.2f}"
-        if self.live is not None:
+            rest[-1] += f"  eval {metrics['eval/student_success']:.2f}"
+        line = lambda: " ".join([f"loss {metrics.get('loss', float('nan')):+.3f}", *shown, *rest])  # noqa: E731
+        while shown and width is not None and len(line()) > width:
+            shown.pop()
+        return line()
+
+    def eta_s(self, step: int) -> float:
+        """Seconds left: the steps to go at the mean wall-clock time of those done since the start."""
+        done = step - self.start
+        return (self.clock() - self.started_at) / done * (self.total - step) if done > 0 else float("nan")
+
+    def update(self, step: int, metrics: dict[str, float]) -> None:
+        if self.live is not None:  # rich's TimeRemainingColumn shows the time left
+            status = self.status(metrics, width=self.console.width - BAR_COLUMNS_WIDTH)
             self.live.update(self.task, completed=step, status=status)
         else:
-            print(f"step {step}: {status}", file=sys.stdout, flush=True)
+            eta = self.eta_s(step)
+            tail = f" eta {format_duration(eta)}" if eta == eta else ""  # nan (no step done yet): none
+            print(f"step {step}/{self.total}: {self.status(metrics)}{tail}", file=sys.stdout, flush=True)
 
     def close(self) -> None:
         if self.live is not None:
@@ -76,8 +148,22 @@ def _source(model_cfg: Any) -> str:
     return f"bootstrap: {boot.sft_steps} SFT steps on {policy}"
 
 
+def second_panel(records: list[dict[str, Any]]) -> tuple[str, str, dict[str, list[tuple[int, float]]]]:
+    """What the plot's second panel shows: ``(title, y label, {line label: [(step, value)]})``,
+    the reverse KL headline when the run logged one, else each ``loss/<name>`` term."""
+    kl = [(r["step"], r[KL_KEY]) for r in records if KL_KEY in r]
+    if kl:
+        return "sampled reverse KL to the teacher", "nats / token", {"reverse KL": kl}
+    series: dict[str, list[tuple[int, float]]] = {}
+    for record in records:
+        for name, value in loss_terms(record).items():
+            series.setdefault(name, []).append((record["step"], value))
+    return "loss terms", "loss", series
+
+
 def write_report_plot(run_dir: Path) -> Path | None:
-    """``report.png``: held-out success of student and teacher, and reverse KL per token."""
+    """``report.png``: held-out success of student and teacher, and the reverse KL per token (or,
+    for losses that report none, each loss term) against steps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,8 +172,8 @@ def write_report_plot(run_dir: Path) -> Path | None:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [(r["step"], r["eval/student_success"]) for r in records if "eval/student_success" in r]
     teacher = [r["eval/teacher_success"] for r in records if "eval/teacher_success" in r]
-    kl = [(r["step"], r["reverse_kl_per_token"]) for r in records if "reverse_kl_per_token" in r]
-    if not evals and not kl:
+    title, ylabel, series = second_panel(records)
+    if not evals and not series:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
     if evals:
@@ -96,9 +182,11 @@ def write_report_plot(run_dir: Path) -> Path | None:
         ax1.axhline(teacher[0], color="gray", linestyle="--", label="teacher")
     ax1.set(xlabel="step", ylabel="held-out success", ylim=(0, 1.05), title="success")
     ax1.legend()
-    if kl:
-        ax2.plot(*zip(*kl))
-    ax2.set(xlabel="step", ylabel="nats / token", title="sampled reverse KL to the teacher")
+    for label, points in series.items():
+        ax2.plot(*zip(*points), label=label)
+    if len(series) > 1:
+        ax2.legend()
+    ax2.set(xlabel="step", ylabel=ylabel, title=title)
     fig.tight_layout()
     out = run_dir / "report.png"
     fig.savefig(out, dpi=100)

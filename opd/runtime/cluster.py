@@ -21,6 +21,15 @@ With ``RAY_ADDRESS`` set the driver joins that cluster as it is: its addresses a
 authentication belong to whoever started it (a client of a token cluster needs
 ``RAY_AUTH_MODE=token`` and the cluster's token). The workers' import order is the same.
 
+**A quiet console.** The actors' output still reaches the driver (``log_to_driver``), so an
+actor's own error lines and prints are shown; what is switched off is other tools' chatter:
+transformers' and the hub's progress bars in the workers ("Loading weights", "Writing model
+shards": ``HF_HUB_DISABLE_PROGRESS_BARS``, :data:`QUIET_WORKER_ENV`, in the job's runtime env, so
+a joined cluster's workers get it too), and Ray's one-time advice on its log de-duplication
+(identical lines from several actors are still merged into one, marked ``[repeated Nx across
+cluster]``). Ray's notice that token authentication is on is printed only when ``RAY_AUTH_MODE``
+is unset at ``ray.init``; :func:`init_ray` sets it first. A variable the user set keeps its value.
+
 Example:
     >>> init_ray(cfg.resources)  # doctest: +SKIP
     >>> [s for s in listening_sockets() if not s[2].startswith("127.0.0.1:")]  # doctest: +SKIP
@@ -40,6 +49,13 @@ from typing import Any, Callable, Iterator
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+# Set in every worker unless the user set them: each actor loads and saves models, and
+# transformers draws a progress bar for each ("Loading weights", "Writing model shards").
+QUIET_WORKER_ENV = (
+    ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),  # read by transformers' own bars too, at import
+    ("TRANSFORMERS_VERBOSITY", "error"),
+    ("TOKENIZERS_PARALLELISM", "false"),  # else a warning from each worker that forks
+)
 
 
 def init_ray(resources: Any) -> None:
@@ -57,6 +73,7 @@ def init_ray(resources: Any) -> None:
 
     if ray.is_initialized():
         return
+    _skip_dedup_advice()
     runtime_env = worker_runtime_env()
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
@@ -77,7 +94,8 @@ def init_ray(resources: Any) -> None:
 
 
 def worker_runtime_env() -> dict[str, Any]:
-    """The job's ``runtime_env``: the driver's import path for the workers, installed code first.
+    """The job's ``runtime_env``: the driver's import path for the workers, installed code first,
+    and the libraries' progress bars off (:data:`QUIET_WORKER_ENV`).
 
     ``PYTHONPATH`` is the driver's ``sys.path`` in order, with the working directory (and ``''``)
     moved to the end, after site-packages; the setup hook keeps the directories Ray itself puts
@@ -88,8 +106,18 @@ def worker_runtime_env() -> dict[str, Any]:
     if sys.argv and sys.argv[0]:
         later.add(os.path.dirname(os.path.realpath(sys.argv[0])))
     entries = [p for p in sys.path if p and os.path.abspath(p) not in later]
-    return {"env_vars": {"PYTHONPATH": os.pathsep.join([*entries, cwd])},
+    quiet = {name: os.environ.get(name, default) for name, default in QUIET_WORKER_ENV}
+    return {"env_vars": {**quiet, "PYTHONPATH": os.pathsep.join([*entries, cwd])},
             "worker_process_setup_hook": _installed_first_hook(sorted(later))}
+
+
+def _skip_dedup_advice() -> None:
+    """Spend Ray's once-per-process advice on its log de-duplication ("(Ray deduplicates logs by
+    default. Set RAY_DEDUP_LOGS=0 ...)"), which it appends to the first merged line; the merging
+    itself, and every line an actor prints, stay as they are."""
+    from ray.util.debug import log_once
+
+    log_once("log_dedup_warning")  # the key of ray._private.ray_logging._warn_once
 
 
 def listening_sockets() -> list[tuple[int, str, str]]:

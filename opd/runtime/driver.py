@@ -27,6 +27,7 @@ from typing import Any
 
 from opd.config import ConfigError, to_yaml
 from opd.runtime.errors import RunError, WorkerError
+from opd.runtime.tracking import Trackers, require_backends
 from opd.training.checkpoint import (CheckpointError, atomic_write_text, complete_checkpoints, latest_checkpoint,
                                      save_checkpoint, verified_checkpoints)
 
@@ -40,10 +41,11 @@ RESUMABLE_KEYS = ("run.total_steps", "run.eval_every_steps", "run.save_every_ste
 
 
 class MetricsLog:
-    """``metrics.jsonl`` plus tensorboard. On resume, lines past the checkpoint are dropped so
-    the file reads as one uninterrupted run."""
+    """``metrics.jsonl`` plus :class:`~opd.runtime.tracking.Trackers` (tensorboard; wandb and
+    MLflow when the recipe asks). On resume, lines past the checkpoint are dropped so the file
+    reads as one uninterrupted run, and the trackers continue the same runs."""
 
-    def __init__(self, run_dir: Path, keep_until_step: int | None):
+    def __init__(self, run_dir: Path, keep_until_step: int | None, cfg: Any, log: Any = print):
         self.path = run_dir / "metrics.jsonl"
         if keep_until_step is not None and self.path.exists():
             kept = [line for line in self.path.read_text().splitlines()
@@ -53,20 +55,15 @@ class MetricsLog:
             # A fresh start in a directory whose earlier run never reached a checkpoint: keep
             # that run's log beside the new one rather than deleting it.
             self.path.rename(self.path.with_name(f"metrics.{int(time.time())}.jsonl"))
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.tb = SummaryWriter(str(run_dir / "tb"))
+        self.trackers = Trackers(run_dir, cfg, resumed_step=keep_until_step, log=log)
 
     def write(self, step: int, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **record}) + "\n")
-        for key, value in record.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.tb.add_scalar(key, value, step)
-        self.tb.flush()
+        self.trackers.log(step, record)
 
-    def close(self) -> None:
-        self.tb.close()
+    def close(self, summary: dict[str, Any] | None = None, failed: bool = False) -> None:
+        self.trackers.close(summary, failed=failed)
 
 
 def _line_step(line: str) -> int:
@@ -108,6 +105,7 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
                 f"{len(changes)} key(s): {listed}. A resumed run may change only {', '.join(RESUMABLE_KEYS)}; "
                 "run the changed recipe in a new run.output_dir (nothing was changed).", resumable=False
             )
+    require_backends(cfg)  # a recipe asking for an absent wandb / mlflow fails now, not after setup
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
 
@@ -149,7 +147,7 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
         log(f"resumed from {path} (step {state['step']})")
     elif resume:
         log(f"{run_dir} holds no complete checkpoint: starting from the beginning")
-    metrics = MetricsLog(run_dir, keep_until_step=state["step"] if found else None)
+    metrics = MetricsLog(run_dir, keep_until_step=state["step"] if found else None, cfg=cfg, log=log)
     log(f"setup took {time.perf_counter() - setup_start:.1f}s; run directory: {run_dir}")
 
     if not found:
@@ -164,6 +162,7 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
     nonfinite_streak = 0
     progress = Progress(console, total=cfg.run.total_steps, start=state["step"])
     step = state["step"]
+    finished = False
     try:
         for step in range(state["step"] + 1, cfg.run.total_steps + 1):
             step_metrics = algorithm.train_step(ctx, step)
@@ -192,12 +191,14 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
                     state["evals"].append({"step": step, **record})
                     metrics.write(step, record)
                 save_checkpoint(run_dir, step, workers.save_checkpoint, state, keep=cfg.run.keep_checkpoints)
+        finished = True
     except Exception as exc:
         exc.add_note(f"during training step {step} (steps done: {state['step']})")
         raise
     finally:
         progress.close()
-        metrics.close()
+        if not finished:  # an error or Ctrl-C: the wandb / MLflow runs end as failed
+            metrics.close(failed=True)
 
     summary = {
         "teacher_success": state.get("teacher_success"),
@@ -210,6 +211,7 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
         "time_split": _time_split(run_dir / "metrics.jsonl"),
     }
     atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+    metrics.close(summary)
     write_report_plot(run_dir)
     render_summary(console, summary, cfg)
     return summary

@@ -61,7 +61,12 @@ OVERRIDES = [
     (["losses.0.args.beta=.nan"], "key 'losses.0.args.beta' is nan; expected a finite number"),
     (["losses=[]"], "key 'losses' is empty"),
     (["algorithm=grpo"], "need the teacher's grades; algorithm 'grpo' does not consult the teacher"),
-    (["env.id=opd/Nope-v0"], "unknown environment 'opd/Nope-v0'"),
+    (["env.id=opd/Nope-v0"], "key 'env.id': unknown environment 'opd/Nope-v0'; registered: opd/ALFWorldText-v0,"),
+    (["env.id=opd/Nope-v0"], "in a module of yours and name that module in the recipe's env.module, which is imported first"),
+    (["env.id=opd/Nope-v0"], "call gymnasium.register(id=..., entry_point=\"your_pkg.envs:YourEnv\")"),
+    (["env.module=json", "env.id=mylab/Nope-v0"],
+     "key 'env.id': unknown environment 'mylab/Nope-v0'; registered: opd/ALFWorldText-v0,"),
+    (["env.module=json", "env.id=mylab/Nope-v0"], "Module 'json' (env.module) was imported but registered no 'mylab/Nope-v0'"),
     (["env.timeout_s=0"], "key 'env.timeout_s' is 0.0; expected 0 < value"),
     (["env.memory_limit_mb=-1"], "key 'env.memory_limit_mb' is -1.0"),
     (["env.cpu_time_limit_s=.inf"], "key 'env.cpu_time_limit_s' is inf"),
@@ -82,6 +87,12 @@ OVERRIDES = [
     (["actfirst.action_max_new_tokens=0"], "key 'actfirst.action_max_new_tokens' is 0"),
     (["algorithm=ppo"], "key 'algorithm' is 'ppo'; expected one of"),
     (["notakey"], "override 'notakey' is not key=value"),
+    # An empty value: "" on a string key, None on an optional one, refused elsewhere (opd.config._empty_value).
+    (["run.total_steps="], "key 'run.total_steps' takes a value of type int and cannot be empty"),
+    (["losses="], "key 'losses' takes a value of type list and cannot be empty"),
+    (["run.output_dir="], "key 'run.output_dir' is empty; give the run directory"),
+    (["supervision.scoring="], "key 'supervision.scoring' is ''; expected one of sampled, topk, full"),
+    (["student.bootstrap="], "key 'student.path' is empty"),  # None: a section is optional, then a path is needed
     (["run.total_steps=[1"], "override 'run.total_steps=[1': cannot parse the value"),
 ]
 

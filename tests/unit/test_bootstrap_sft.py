@@ -1,13 +1,18 @@
 """The bootstrap SFT step splits its batch into forwards of similar lengths without changing
-the update: the same parameters as one forward padded to the longest row."""
+the update: the same parameters as one forward padded to the longest row. A build reports how
+far it is: the tokenizer's corpus, the episodes, the SFT steps with their loss."""
 
 from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
 from opd import provisioning as bootstrap
-from opd.schema import BootstrapConfig
+from opd.schema import BootstrapConfig, EnvConfig
 
 
 def test_length_grouped_sft_makes_the_padded_update(tokenizer, fmt, monkeypatch):
@@ -29,3 +34,58 @@ def test_length_grouped_sft_makes_the_padded_update(tokenizer, fmt, monkeypatch)
     moved = max((params[0][k] - before[k]).abs().max().item() for k in before)
     assert moved > 1e-3  # the steps did train
     assert max((params[0][k] - params[100][k]).abs().max().item() for k in before) < 1e-5
+
+
+def test_a_bootstrap_build_reports_its_progress(tmp_path, monkeypatch):
+    # Every tenth of each stage (the minimum interval off: this build takes seconds), then a closing line.
+    monkeypatch.setattr(bootstrap, "PROGRESS_MIN_INTERVAL_S", 0.0)
+    env = OmegaConf.structured(EnvConfig(id="opd/FrozenLakeText-v0", kwargs={"map_size": 4, "max_turns": 6}))
+    boot = OmegaConf.structured(BootstrapConfig(n_episodes=20, sft_steps=10, batch_size=2, corpus_episodes=10,
+                                                tokenizer_vocab_size=300, cache_dir=str(tmp_path)))
+    boot.arch.hidden_size, boot.arch.num_heads, boot.arch.num_layers, boot.arch.intermediate_size = 64, 1, 1, 128
+    lines: list[str] = []
+    directory = bootstrap.build_bootstrap_model(boot, env, seed=0, log=lines.append)
+    assert (Path(directory) / "model.safetensors").is_file()
+    assert lines[0].startswith("bootstrap: building the expert model of opd/FrozenLakeText-v0 (20 episodes, 10 SFT steps")
+    corpus = [line for line in lines if line.startswith("bootstrap: tokenizer corpus episode ")]
+    episodes = [line for line in lines if line.startswith("bootstrap: expert episode ")]
+    steps = [line for line in lines if line.startswith("bootstrap: SFT step ")]
+    assert [line.split()[4].rstrip(",") for line in corpus] == [f"{k}/10" for k in range(1, 11)]
+    assert [line.split()[3].rstrip(",") for line in episodes] == [f"{k}/20" for k in range(2, 21, 2)]
+    assert [line.split()[3].rstrip(",") for line in steps] == [f"{k}/10" for k in range(1, 11)]
+    assert all(re.search(r", loss \d+\.\d{4} \(\d+s, about \d+s left\)$", line) for line in steps[:-1]), steps
+    assert re.search(r"SFT step 10/10, loss \d+\.\d{4} in \d+\.\ds$", steps[-1]) and "SFT sequences" in episodes[-1]
+    # A second call finds the model in the cache: no build, nothing to report.
+    lines.clear()
+    assert bootstrap.build_bootstrap_model(boot, env, seed=0, log=lines.append) == directory and lines == []
+
+
+def test_stage_progress_logs_each_tenth_at_most_every_few_seconds_and_a_bar_on_a_terminal():
+    now = [0.0]
+    lines: list[str] = []
+    progress = bootstrap.StageProgress(lines.append, "SFT step", total=100, clock=lambda: now[0])
+    for k in range(1, 101):
+        now[0] += 0.5 if k <= 50 else 2.0  # fast, then slow: the interval, then the tenths set the pace
+        progress.advance(k, "loss 1.0000")
+    progress.finish("loss 1.0000")
+    counts = [int(line.split()[3].split("/")[0]) for line in lines]
+    assert counts == [10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
+    assert lines[5] == "bootstrap: SFT step 60/100, loss 1.0000 (45s, about 30s left)"
+    lines.clear()
+    now[0] = 0.0
+    progress = bootstrap.StageProgress(lines.append, "SFT step", total=100, clock=lambda: now[0])
+    for k in range(1, 101):
+        now[0] += 0.125  # 12.5 s in all: lines no closer than 5 s
+        progress.advance(k)
+    progress.finish()
+    assert [int(line.split()[3].split("/")[0]) for line in lines] == [40, 80, 100]
+
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), force_terminal=True, color_system=None, highlight=False, width=160)
+    with bootstrap.StageProgress(console.log, "SFT step", total=4) as progress:
+        for k in range(1, 5):
+            progress.advance(k, f"loss {k:.4f}")
+        progress.finish("loss 4.0000")
+    shown = console.file.getvalue()
+    assert "bootstrap: SFT step" in shown and "4/4" in shown and "SFT step 4/4, loss 4.0000 in" in shown

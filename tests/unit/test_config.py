@@ -130,6 +130,21 @@ def test_overrides_apply():
     assert cfg.trainer.learning_rate == 3e-4 and cfg.run.total_steps == 7
 
 
+def test_an_empty_override_is_the_empty_string_on_a_string_key_and_none_on_an_optional_one(tmp_path):
+    # One rule for `key=` (opd.config._empty_value): `env.module=` and `student.bootstrap=` both mean "none".
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cfg = load_config(ROOT / "tests" / "data" / "tiny.yaml",
+                      [f"run.output_dir={tmp_path / 'run'}", "env.module=", "rollout.system_prompt=",
+                       "teacher.bootstrap.seed=", "logging.wandb_project=", "student.bootstrap=", f"student.path={model}"])
+    assert cfg.env.module == "" and cfg.rollout.system_prompt == ""  # str: the empty string
+    assert cfg.teacher.bootstrap.seed is None and cfg.logging.wandb_project is None  # X | None: None
+    assert cfg.student.bootstrap is None and cfg.student.path == str(model)
+    with pytest.raises(ConfigError, match="key 'run.total_steps' takes a value of type int and cannot be empty"):
+        load_config(ROOT / "tests" / "data" / "tiny.yaml", ["run.total_steps="])
+
+
 def test_engine_auto_is_hf_on_cpu_and_vllm_for_a_role_on_a_gpu(tmp_path):
     from omegaconf import OmegaConf
 

@@ -1,0 +1,210 @@
+"""``opd report``'s page (opd/evaluation/html_report.py) on a run directory built by hand: the
+panels it draws and leaves out, the evaluation tables, the viewer's embedded episodes (escaped,
+coloured, capped). The page in a real browser: tests/e2e/test_report_browser.py."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from opd.evaluation import html_report
+from opd.evaluation.html_report import ratio_bucket, ratio_palette, viewer_data, write_html_report
+from opd.evaluation.trajectories import write_episodes
+
+HOSTILE = "you see </script><script>window.pwned = 1</script><!-- <script> & done"
+
+
+def episode_row(step: int, episode: int, observation: str = "You step right.", teacher=(-4.0, -1.0, -0.5),
+                behaviour=(-1.0, -1.0, -1.0), marks=(), success=False) -> dict:
+    """One episode in the format of opd.evaluation.trajectories: two turns of three tokens
+    (a space-led reasoning token, then the two tokens of the action ``right``)."""
+    def turn(prompt, obs, turn_marks):
+        return {"prompt": prompt, "response": "ok right", "action": "right", "action_start": 1, "action_end": 3,
+                "observation": obs, "reward": 0.5, "valid_action": True, "expert_action": "right",
+                "response_ids": [11, 12, 13], "response_tokens": ["ok\n", " ri", "ght"],
+                "behaviour_logprobs": list(behaviour), "teacher_logprobs": list(teacher), "marks": list(turn_marks)}
+
+    return {"step": step, "kind": "train", "episode": episode, "task": f"task-{episode}", "sample": 0, "turn_budget": 0,
+            "success": success, "end_reason": "success" if success else "truncated", "error": "", "total_reward": 1.0,
+            "task_prompt": "<|im_start|>user\nReach G<|im_end|>\n",
+            "turns": [turn("<|im_start|>user\nReach G<|im_end|>\n", observation, marks),
+                      turn(f"<|im_start|>user\n{observation}<|im_end|>\n", "final: G reached", ())]}
+
+
+def make_run_dir(root: Path, episodes: int = 2, train_steps=(1, 2), observation: str = "You step right.",
+                 training: bool = True, evaluation: bool = True) -> Path:
+    """A small run directory: config, summary, metrics, episode files and ``opd eval`` output."""
+    run = root / "run"
+    (run / "trajectories").mkdir(parents=True)
+    (run / "config.yaml").write_text("name: handmade\nalgorithm: vanilla_opd\nenv: {id: opd/FrozenLakeText-v0}\n"
+                                     "teacher: {path: /models/teacher}\nstudent: {path: /models/student}\n"
+                                     "losses: [{name: reverse_kl, weight: 1.0}]\n")
+    (run / "summary.json").write_text(json.dumps({
+        "teacher_success": 0.75, "student_success_before": 0.25, "student_success_after": 0.5, "steps": 2,
+        "train_time_s": 12.0, "eval_episodes": 4, "time_split": {"generation_s_per_step": 1.0}}))
+    lines = [{"step": 0, "eval/student_success": 0.25, "eval/teacher_success": 0.75, "eval/student_turns": 5.0}]
+    if training:
+        lines += [{"step": s, "loss": 0.5 / s, "loss/reverse_kl": 0.5 / s, "reverse_kl/reverse_kl": 0.5 / s,
+                   "reverse_kl/clip_frac": 0.0, "reverse_kl_per_token": 0.1 * s, "success": 0.5, "grad_norm": 1.0,
+                   "learning_rate": 1e-3, "time/generation_s": 1.0, "time/teacher_scoring_s": 0.5,
+                   "time/training_s": 2.0, "time/weight_sync_s": 0.1, "time/step_s": 4.0} for s in train_steps]
+    lines.append({"step": max(train_steps), "eval/student_success": 0.5, "eval/student_turns": 4.0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    for s in train_steps:
+        rows = [episode_row(s, i, observation, marks=("pivot",) if i == 1 else ()) for i in range(episodes)]
+        write_episodes(run / "trajectories" / f"train_step_{s}.parquet", rows)
+    write_episodes(run / "trajectories" / "eval_student_step_0.parquet",
+                   [{**episode_row(0, 0, teacher=()), "kind": "eval/student"}])
+    if evaluation:
+        (run / "eval").mkdir()
+        (run / "eval" / "before.json").write_text(json.dumps({
+            "name": "before", "policy": "student of handmade", "env": "opd/FrozenLakeText-v0", "split": "eval",
+            "tasks": 32, "samples": 8, "temperature": 1.0, "confidence": 0.95, "ci_method": "bootstrap over tasks",
+            "budgets": [{"fraction": 0.5, "turns": 3}, {"fraction": 1.0, "turns": 6}],
+            "pass_at_k": [{"turns": t, "k": k, "value": 0.1 * k + t / 100, "low": 0.05, "high": 0.9}
+                          for t in (3, 6) for k in (1, 8)],
+            "by_budget": [{"turns": 3, "success": 0.31, "score": None, "mean_turns": 2.9, "invalid_actions": 0.4,
+                           "end_reasons": {"truncated": 200, "success": 56}}],
+            "plot": "before.png", "episodes": "before.episodes.parquet"}))
+        (run / "eval" / "before.png").write_bytes(tiny_png())
+        (run / "eval" / "compare_ab.json").write_text(json.dumps({
+            "name": "ab", "a": "before", "b": "after", "reference": "a", "judge": "expert", "states": 120,
+            "overall": {"better": 0.2, "equal": 0.7, "worse": 0.1, "n": 120},
+            "by_stage": {"early": {"better": 0.3, "equal": 0.6, "worse": 0.1, "n": 40}},
+            "by_recovery": {"error_recovery": {"better": 0.4, "equal": 0.5, "worse": 0.1, "n": 30}}}))
+    return run
+
+
+def tiny_png(width: int = 40, height: int = 20) -> bytes:
+    """A real PNG (a blue rectangle), so a browser decodes the embedded plot."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    pixels = b"".join(b"\x00" + b"\x25\x63\xeb" * width for _ in range(height))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(pixels)) + chunk(b"IEND", b""))
+
+
+def embedded(page: str) -> dict:
+    """The viewer's JSON, cut out of the page as the browser's parser would: up to the first
+    ``</script>``."""
+    found = re.search(r'<script type="application/json" id="episode-data">(.*?)</script>', page, re.S)
+    assert found, "no episode data block"
+    return json.loads(found.group(1))
+
+
+def note(page: str) -> str:
+    """The viewer's note on what it embeds and what it left out."""
+    return re.search(r'<p class="note" id="viewer-note">(.*?)</p>', page, re.S).group(1)
+
+
+def test_the_signature_is_pinned():
+    import inspect
+
+    assert str(inspect.signature(write_html_report)) == \
+        "(run_dir: 'Path', out: 'Path | None' = None, max_episodes_per_file: 'int' = 64) -> 'Path'"
+
+
+def test_a_full_run_has_every_panel_the_tables_and_the_header(tmp_path):
+    run = make_run_dir(tmp_path)
+    out = write_html_report(run)
+    assert out == run / "report.html"
+    page = out.read_text()
+    panels = re.findall(r'data-panel="([^"]+)"', page)
+    assert panels == ["Success", "KL to the teacher", "Losses", "Step time", "Weight sync", "Held-out turns",
+                      "Gradient norm", "Learning rate"]  # no PivotOPD / ActFirst scalars in this run
+    assert "reverse_kl_per_token" in page and "reverse_kl/reverse_kl" in page and "loss/reverse_kl" in page
+    assert "reverse_kl/clip_frac" not in page  # a loss's own scalar, not a KL term
+    assert page.count("<svg") == 8 and "<polyline" in page and "<rect" in page
+    # Header: name, algorithm, environment, models, summary numbers.
+    for text in ("<h1>handmade</h1>", "vanilla_opd", "opd/FrozenLakeText-v0", "/models/teacher", "75.0%", "25.0%",
+                 "50.0%", "reverse_kl ×1"):
+        assert text in page, text
+    # Evaluation tables: the pass@k grid (turns × k, "value [low, high]"), budgets, plot, comparison.
+    assert "<th>pass@1</th><th>pass@8</th>" in page
+    assert "<tr><th>3 turns</th><td>13.0% <small>[5.0%, 90.0%]</small></td><td>83.0% <small>[5.0%, 90.0%]</small>" \
+        "</td></tr>" in page
+    assert "truncated 200, success 56" in page and "data:image/png;base64," in page
+    assert "<th>all states</th><td>120</td><td>20.0%</td><td>70.0%</td><td>10.0%</td>" in page
+    assert "stage: early" in page and "recovery: error recovery" in page
+    # Self-contained: nothing fetched at view time.
+    assert not re.search(r'<(script|link|img)[^>]+(src|href)="(https?:)?//', page)
+
+
+def test_panels_without_data_are_left_out(tmp_path):
+    run = make_run_dir(tmp_path, training=False, evaluation=False)
+    page = write_html_report(run, out=tmp_path / "elsewhere" / "r.html").read_text()
+    assert re.findall(r'data-panel="([^"]+)"', page) == ["Success", "Held-out turns"]
+    assert 'id="evaluations"' not in page and not (run / "report.html").exists()
+
+
+def test_an_observation_cannot_break_out_of_the_data_block(tmp_path):
+    run = make_run_dir(tmp_path, observation=HOSTILE)
+    page = write_html_report(run).read_text()
+    assert "window.pwned" in page  # the text is there, escaped
+    assert "</script><script>window.pwned" not in page and "<!-- <script>" not in page
+    assert page.count("</script>") == 2  # the data block's and the viewer's
+    data = embedded(page)
+    turns = next(f for f in data["files"] if f["group"] == "training samples")["episodes"][0]["turns"]
+    assert HOSTILE in turns[1]["p"]  # decoded back exactly
+    assert turns[0]["o"] == ""  # turn 0's observation is turn 1's prompt: embedded once
+
+
+def test_token_colours_and_titles_follow_the_log_ratio(tmp_path):
+    palette = ratio_palette()
+    n = html_report.RATIO_STEPS
+    assert len(palette) == 2 * n + 1 and palette[n] == "#ffffff"
+    red, blue = (int(palette[0][i:i + 2], 16) for i in (1, 5)), (int(palette[-1][i:i + 2], 16) for i in (1, 5))
+    assert list(red) == [220 + round(35 * 0.3), 38 + round(217 * 0.3)]  # the teacher finds it less likely: red
+    r, b = blue
+    assert b > r  # more likely: blue
+    assert ratio_bucket(-1.0, -4.0) == -n and ratio_bucket(-1.0, -1.0) == 0 and ratio_bucket(-1.0, -0.5) == 2
+    assert ratio_bucket(-1e9, 0.0) == n  # a -inf behaviour logprob saturates, never overflows
+
+    page = write_html_report(make_run_dir(tmp_path)).read_text()
+    data = embedded(page)
+    train = next(f for f in data["files"] if f["name"] == "train_step_2.parquet")
+    turn = train["episodes"][0]["turns"][0]
+    assert turn["tok"] == ["ok\n", " ri", "ght"] and (turn["as"], turn["ae"]) == (1, 3)
+    assert turn["b"] == [-1.0, -1.0, -1.0] and turn["t"] == [-4.0, -1.0, -0.5]
+    assert [data["palette"][c + n] for c in turn["c"]] == [palette[0], "#ffffff", palette[n + 2]]
+    assert train["episodes"][1]["turns"][0]["m"] == ["pivot"]
+    unscored = next(f for f in data["files"] if f["name"] == "eval_student_step_0.parquet")["episodes"][0]["turns"][0]
+    assert unscored["t"] == [] and unscored["c"] == []  # shown neutral
+    # The title the viewer gives each token span carries both logprobs and their ratio.
+    for text in ('"student (behaviour) logprob " + num(b)', '"teacher logprob " + num(t)',
+                 '"log-ratio teacher - student " + num(t - b)', 'span.style.backgroundColor = data.palette[turn.c[i] + N]'):
+        assert text in html_report._JS, text
+    assert "badge" in html_report._JS and 'el("span", "tok")' in html_report._JS
+
+
+def test_the_embedded_episodes_are_capped_and_the_page_says_so(tmp_path, monkeypatch):
+    run = make_run_dir(tmp_path, episodes=10, train_steps=(1, 2, 3, 4))
+    full = write_html_report(run, out=tmp_path / "full.html", max_episodes_per_file=64).read_text()
+    assert "left out" not in note(full)
+    monkeypatch.setattr(html_report, "MAX_FILES_PER_KIND", 3)
+    page = write_html_report(run, max_episodes_per_file=3).read_text()
+    data = embedded(page)
+    train = [f for f in data["files"] if f["group"] == "training samples"]
+    assert [f["name"] for f in train] == ["train_step_1.parquet", "train_step_3.parquet", "train_step_4.parquet"]
+    assert all(len(f["episodes"]) == 3 and f["total"] == 10 for f in train)
+    assert data["omitted_files"] == ["train_step_2.parquet"]
+    assert "7 of 10 in train_step_1.parquet" in note(page) and "1 files left out" in note(page)
+    assert "train_step_2.parquet" in note(page)
+    assert len(json.dumps(data)) < len(json.dumps(embedded(full))) / 3
+
+
+def test_a_run_without_episodes_or_metrics_still_gets_a_page(tmp_path):
+    run = tmp_path / "empty"
+    run.mkdir()
+    page = write_html_report(run).read_text()
+    assert "No episode files" in page and "metrics.jsonl has no steps yet" in page and "<h1>empty</h1>" in page
+    assert viewer_data(run)["files"] == []
+    with pytest.raises(FileNotFoundError, match="no run directory"):
+        write_html_report(tmp_path / "missing")
