@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     cmp_p.add_argument("b", help="policy B")
     cmp_p.add_argument("overrides", nargs="*", help="key=value on the recipe")
     cmp_p.add_argument("--recipe", help="the recipe both are evaluated under (default: A's)")
-    cmp_p.add_argument("--reference", default="a", help="where the states come from: a, b, or an episodes .parquet file")
+    cmp_p.add_argument("--reference", default="a", help="where the states come from: a, b (their greedy episodes), expert (the environment's), "
+                       "or an episodes .parquet file")
     cmp_p.add_argument("--judge", choices=["expert", "rollouts"], default="expert",
                        help="expert: the environment's expert plays on after each action; rollouts: A continues")
     cmp_p.add_argument("--rollouts", type=int, default=4, help="continuations per action with --judge rollouts")

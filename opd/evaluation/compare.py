@@ -1,8 +1,8 @@
 """Matched-state comparison of two policies (``opd compare A B``): in the very same states, whose
 next action is better?
 
-1. **States.** Reference episodes (A's own greedy episodes by default, B's, or an episodes
-   file of :mod:`opd.evaluation.trajectories`) give the states: state ``t`` of an episode is
+1. **States.** Reference episodes (A's own greedy episodes by default, B's, the environment's
+   expert's, or an episodes file of :mod:`opd.evaluation.trajectories`) give the states: state ``t`` of an episode is
    what the policy saw before its ``t``-th action.
 2. **Restore.** Each state is rebuilt exactly by replaying the episode's actions in a fresh
    environment from the same task and seed; every observation must equal the recorded one
@@ -65,6 +65,33 @@ def references_from_rows(rows: Sequence[dict[str, Any]], seed: int) -> list[Refe
     return [Reference(row["task"], seed, [Turn([], list(t["response_ids"]), [], t["action_start"], t["action_end"],
                                               t["action"]) for t in row["turns"]], [t["observation"] for t in row["turns"]])
             for row in rows if row["turns"] and row["end_reason"] != "env_error"]
+
+
+def references_from_expert(env_factory: Callable[[], Any], tasks: Sequence[str], seed: int, tokenizer: Any,
+                           fmt: Any) -> list[Reference]:
+    """References played by the environment's expert (``info["expert_action"]`` in every
+    state). Its responses are the action alone, as the policy's ids (``action<|im_end|>``): a
+    context in the ``full`` view shows them without reasoning."""
+    refs = []
+    env = env_factory()
+    try:
+        for task in tasks:
+            _, info = env.reset(seed=seed, options={"task": task})
+            turns, observations, done = [], [], False
+            while not done:
+                action = info.get("expert_action")
+                if not action:
+                    raise ValueError(f"task {task!r}: the environment names no expert action in some state, so it "
+                                     "cannot play the references; use '--reference a' or '--reference b'")
+                ids = tokenizer.encode(action, add_special_tokens=False)
+                obs, _, terminated, truncated, info = env.step(action)
+                turns.append(Turn([], [*ids, fmt.im_end_id], [], 0, len(ids), action))
+                observations.append(obs)
+                done = terminated or truncated
+            refs.append(Reference(task, seed, turns, observations))
+    finally:
+        env.close()
+    return refs
 
 
 @dataclass

@@ -206,7 +206,7 @@ def compare_command(source_a: str, source_b: str, recipe: str | None, overrides:
     """``opd compare A B``: matched-state comparison (:mod:`opd.evaluation.compare`); writes
     ``compare_<name>.json`` and prints the table."""
     from opd.envs import EnvFactory
-    from opd.evaluation.compare import (StateMismatch, compare_policies, references_from_rows,
+    from opd.evaluation.compare import (StateMismatch, compare_policies, references_from_expert, references_from_rows,
                                         references_from_trajectories, render_comparison)
     from opd.evaluation.trajectories import read_episodes
     from opd.models import TokenizerMismatchError, check_tokenizers_match
@@ -239,11 +239,18 @@ def compare_command(source_a: str, source_b: str, recipe: str | None, overrides:
         trajs = host.collect(factory, task_ids, greedy, cfg.run.seed)[0]
         refs = references_from_trajectories(trajs, cfg.run.seed)
         ref_label = f"{(src_a if reference == 'a' else src_b).label}'s greedy episodes"
+    elif reference == "expert":
+        try:
+            refs = references_from_expert(factory, task_ids, cfg.run.seed, host_a.tokenizer, host_a.fmt)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        ref_label = "the environment's expert episodes"
     elif Path(reference).is_file():
         refs = references_from_rows(read_episodes(Path(reference)), cfg.run.seed)
         ref_label = reference
     else:
-        raise ConfigError(f"--reference takes 'a', 'b' or an episodes file (.parquet) that exists (got {reference!r})")
+        raise ConfigError(f"--reference takes 'a', 'b', 'expert' or an episodes file (.parquet) that exists "
+                          f"(got {reference!r})")
     total_states = sum(len(r.responses) for r in refs)
     log(f"comparing B = {src_b.label} with A = {src_a.label} in the states of {len(refs)} episodes ({ref_label}), "
         f"judged by {judge}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from opd.envs import EnvFactory
-from opd.evaluation.compare import (Reference, StateMismatch, compare_policies, expert_outcome,
+from opd.evaluation.compare import (Reference, StateMismatch, compare_policies, expert_outcome, references_from_expert,
                                     references_from_trajectories, restore, shares, verdict)
 from opd.rollout.vanilla import EpisodeSettings
 from opd.trajectory import Turn
@@ -83,6 +83,14 @@ def test_compare_counts_every_state_by_stage_and_recovery(tiny_model_dir):
     if refs[0].task == tasks[0] and first[0]["expert_action"] != "up":
         assert not first[0]["after_mistake"] and all(r["after_mistake"] for r in first[1:])
     assert all(not r["after_mistake"] for r in records if r["task"] in {t.task for t in refs[1:]})
+    # The expert's episodes make references in the policy's ids: every state on track, the
+    # expert solving each one.
+    expert_refs = references_from_expert(FACTORY, tasks, 0, host.tokenizer, host.fmt)
+    for ref in expert_refs:
+        assert ref.responses[-1].action_ids == host.tokenizer.encode(ref.responses[-1].action_text, add_special_tokens=False)
+        assert expert_outcome(FACTORY(), ref, 0, ref.responses[0].action_text) == (True, len(ref.responses))
+    on_expert = compare_policies(host, host, FACTORY, expert_refs, settings)
+    assert on_expert["by_recovery"]["error_recovery"]["n"] == 0 and on_expert["states"] == sum(len(r.responses) for r in expert_refs)
     # The episodes a policy plays itself make references too.
     trajs, _ = host.collect(FACTORY, tasks[:2], settings, 0)
     assert [len(r.responses) for r in references_from_trajectories(trajs, 0)] == [len(t.turns) for t in trajs]
