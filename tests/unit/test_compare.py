@@ -94,3 +94,36 @@ def test_compare_counts_every_state_by_stage_and_recovery(tiny_model_dir):
     # The episodes a policy plays itself make references too.
     trajs, _ = host.collect(FACTORY, tasks[:2], settings, 0)
     assert [len(r.responses) for r in references_from_trajectories(trajs, 0)] == [len(t.turns) for t in trajs]
+
+
+def test_the_rollouts_judge_continues_with_the_reference_policy(tiny_model_dir, tokenizer, tmp_path):
+    """Two different (random) policies, judged by the success rate of A's continuations: every
+    differing action gets a verdict from rates in [0, 1], and the same seed gives the same rate."""
+    from opd.evaluation.compare import State, rollout_outcome
+    from opd.models import save_model, tiny_qwen3
+    from opd.runtime.actors import RolloutWorker
+    from opd.schema import TinyArchConfig
+
+    other = tmp_path / "other"
+    save_model(tiny_qwen3(tokenizer, TinyArchConfig(hidden_size=64, num_layers=2, num_heads=1, intermediate_size=128),
+                          seed=1), tokenizer, other)
+    model_cfg = {"engine": "hf", "dtype": "float32", "trust_remote_code": False}
+    host_a, host_b = RolloutWorker(model_cfg, tiny_model_dir, 1), RolloutWorker(model_cfg, str(other), 1)
+    small = EnvFactory("opd/FrozenLakeText-v0", {"map_size": 4, "max_turns": 3, "n_eval_tasks": 2})
+    refs = [_expert_reference(t) for t in small().unwrapped.task_ids("eval")]
+    for ref in refs:  # the expert's episodes under a 3-turn budget end truncated at turn 3
+        ref.responses, ref.observations = ref.responses[:3], ref.observations[:3]
+    settings = EpisodeSettings(max_new_tokens=4, temperature=1.0, history="state_grounded", env_isolation="inprocess")
+    result = compare_policies(host_a, host_b, small, refs, settings, judge="rollouts", rollouts=2, seed=3)
+    assert result["states"] == sum(len(r.responses) for r in refs)
+    assert {r["verdict"] for r in result["records"]} <= {"better", "equal", "worse"}
+    state = State(0, 1, 3, [], "", False)
+    from opd.chat import first_prompt_ids, next_prompt_ids
+
+    env = small()
+    obs, _ = env.reset(seed=0, options={"task": refs[0].task})
+    context = first_prompt_ids(host_a.fmt, host_a.tokenizer, obs)
+    shown, closing = host_a.fmt.shown_and_close_ids(refs[0].responses[0], "state_grounded")
+    state.context = context + shown + closing + next_prompt_ids(host_a.fmt, host_a.tokenizer, refs[0].observations[0])
+    rates = [rollout_outcome(env, refs[0], state, "down", host_a, settings, 3, seed=5) for _ in range(2)]
+    assert rates[0] == rates[1] and 0.0 <= rates[0] <= 1.0
