@@ -130,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         console.print("[yellow]interrupted[/]: the last complete checkpoint is intact; rerun with --resume")
         return 130
     except Exception as exc:  # noqa: BLE001 - the one place every other failure becomes a message
+        import bdb
+
+        if isinstance(exc, bdb.BdbQuit):  # 'q' in pdb (run.backend: local): the user's own exit
+            raise
         _report_failure(console, args, exc)
         return 2 if type(exc) is RunError else 1
 

@@ -194,6 +194,7 @@ class RunConfig:
     trajectory_every_steps: int = 10  # write a sample of the step's scored episodes (token ids, behaviour and
     # teacher logprobs) to trajectories/train_step_N.parquet every this many steps, for `opd report`; 0: never
     trajectory_episodes: int = 4  # episodes in each such sample (the first ones of the step)
+    backend: Literal["ray", "local"] = "ray"  # ray: three actors; local: the same roles in this process, no Ray (pdb)
 
 
 @dataclass

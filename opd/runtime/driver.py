@@ -37,7 +37,8 @@ __all__ = ["RESUMABLE_KEYS", "MetricsLog", "RunError", "recipe_changes", "train"
 # writes, and how long a call may take. Anything else would make the resumed run a different one.
 RESUMABLE_KEYS = ("run.total_steps", "run.eval_every_steps", "run.save_every_steps", "run.keep_checkpoints",
                   "run.output_dir", "run.trajectory_every_steps", "run.trajectory_episodes",
-                  "resources.actor_timeout_s", "logging.wandb_project", "logging.wandb_mode", "logging.mlflow")
+                  "resources.actor_timeout_s", "logging.wandb_project", "logging.wandb_mode", "logging.mlflow",
+                  "run.backend")  # the same run on Ray or in one process (resume a step under pdb)
 
 
 class MetricsLog:
@@ -87,6 +88,7 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
     from opd.rollout.vanilla import episode_settings
     from opd.runtime.actors import spawn_workers
     from opd.runtime.cluster import init_ray
+    from opd.runtime.local import spawn_local_workers
 
     log = console.log if console is not None else print
     run_dir = Path(cfg.run.output_dir)
@@ -131,8 +133,11 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
     eval_tasks = probe.unwrapped.task_ids(cfg.env.eval_split)[: cfg.run.eval_episodes]
     probe.close()
 
-    init_ray(cfg.resources)
-    workers = spawn_workers(cfg, student_path, teacher_path)
+    if cfg.run.backend == "local":  # the same roles in this process, without Ray (opd.runtime.local)
+        workers = spawn_local_workers(cfg, student_path, teacher_path)
+    else:
+        init_ray(cfg.resources)
+        workers = spawn_workers(cfg, student_path, teacher_path)
     ctx = RunContext(cfg, workers, env_factory, train_tasks, eval_tasks,
                      episode_settings(cfg, cfg.rollout.temperature), episode_settings(cfg, 0.0, cfg.run.eval_history), fmt,
                      RunEpisodes(run_dir, {"student": student_tok, "teacher": teacher_tok},

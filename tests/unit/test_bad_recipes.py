@@ -37,6 +37,7 @@ OVERRIDES = [
     (["run.total_steps=1.5"], "key 'run.total_steps' has value 1.5 of type float; expected an integer"),
     (["run.eval_episodes=-1"], "key 'run.eval_episodes' is -1"),
     (["run.seed=-1"], "key 'run.seed' is -1; expected 0 <= value"),
+    (["run.backend=slurm"], "key 'run.backend' is 'slurm'; expected one of ray, local"),
     (["run.output_dir=/proc/opd/run"], "key 'run.output_dir' is '/proc/opd/run', but nothing can be created in /proc"),
     (["rollout.max_new_tokens=1000000000"], "key 'rollout.max_new_tokens' is 1000000000; expected 1 <= value <= 1,000,000"),
     (["rollout.max_new_tokens=4096", "rollout.max_context_tokens=4096"],

@@ -1,0 +1,130 @@
+"""``run.backend: local``: the run's three roles in this process, without Ray.
+
+The same algorithms, loop and evaluation as the Ray backend (:mod:`opd.runtime.actors`), over
+plain instances of the same classes: :class:`~opd.runtime.actors.TeacherWorker`,
+:class:`~opd.runtime.actors.RolloutWorker` and :class:`opd.training.trainer.StudentTrainer`
+(DeepSpeed on one rank, its group met over a file). Every call is a Python call, so a
+``breakpoint()`` in a loss, an environment or an algorithm stops in the ``opd`` process, and
+``python -m pdb $(which opd) train RECIPE run.backend=local`` steps through a whole step. It also
+runs where Ray is not installed: nothing on this path imports ``ray``.
+
+What differs from the Ray backend, and why:
+
+- **One interpreter, one thread pool.** The roles take turns (the loop is sequential either
+  way), so torch's intra-op threads are set once, to ``resources.torch_threads``; the Ray
+  backend's CPU and GPU shares (``resources.*_cpus``, ``*_gpus``, ``num_cpus``) place actors and
+  mean nothing here.
+- **No time limit on a call.** ``resources.actor_timeout_s`` bounds a wait for another process;
+  a call in this process cannot be abandoned midway, so a hang is a hang (Ctrl-C stops it, the
+  last checkpoint intact).
+- **Weight sync in memory.** The trainer's exported weights go straight to the rollout engine,
+  which copies them into its live model in place; no object store, no serialisation.
+- **Arguments are shared, not copied.** Ray pickles what crosses to an actor; here a role gets
+  the caller's objects. The roles treat their inputs as read-only, so results are the same (a
+  test compares the first steps of both backends).
+
+An exception raised inside a role becomes a :class:`~opd.runtime.errors.WorkerError` naming the
+role and the call, as with Ray, with the original exception chained (``error.log`` has both
+tracebacks) and kept as ``cause``.
+
+Example:
+    >>> workers = spawn_local_workers(cfg, student_path, teacher_path)  # doctest: +SKIP
+    >>> trajs, timing = workers.collect("student", env_factory, tasks, settings, seed=0)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from bdb import BdbQuit
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from opd.algorithms.base import Role
+from opd.runtime.actors import RolloutWorker, TeacherWorker
+from opd.runtime.errors import RunError, WorkerError
+from opd.trajectory import Trajectory
+
+
+@dataclass
+class LocalWorkers:
+    """The three roles of a run as plain objects behind the :class:`opd.algorithms.base.Workers`
+    handle (and the checkpoint calls the driver makes on :class:`~opd.runtime.actors.RayWorkers`)."""
+
+    teacher: TeacherWorker
+    rollout: RolloutWorker
+    trainer: Any  # opd.training.trainer.StudentTrainer
+
+    def _call(self, role: str, call: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except BdbQuit:  # `q` at a breakpoint: the debugger leaving, not the role failing
+            raise
+        except Exception as exc:  # a role's failure reads as it does under Ray: role, call, cause
+            raise WorkerError(role, f"the {role} failed in {call}: {type(exc).__name__}: {exc}", exc) from exc
+
+    def _host(self, who: Role) -> tuple[str, Any]:
+        return ("rollout", self.rollout) if who == "student" else ("teacher", self.teacher)
+
+    def collect(self, who: Role, env_factory, tasks: list[str], settings, seed: int):
+        role, host = self._host(who)
+        return self._call(role, "collect", host.collect, env_factory, tasks, settings, seed)
+
+    def score(self, trajs: list[Trajectory], supervision: Any) -> list:
+        return self._call("teacher", "score", self.teacher.score, trajs, supervision)
+
+    def train(self, batch) -> dict[str, float]:
+        return self._call("trainer", "train_step", self.trainer.train_step, batch)
+
+    def sync_weights(self) -> dict[str, float]:
+        """Trainer -> rollout engine: the exported weights, copied into the live model in place."""
+        start = time.perf_counter()
+        weights = self._call("trainer", "export_weights", self.trainer.export_weights)
+        load_s = self._call("rollout", "update_weights", self.rollout.update_weights, weights)
+        return {"weight_sync_s": time.perf_counter() - start, "weight_load_s": load_s}
+
+    def run(self, who: Role, fn: Callable[..., Any], *args: Any) -> Any:
+        role, host = self._host(who)
+        return self._call(role, getattr(fn, "__name__", "run"), host.run, fn, *args)
+
+    def save_checkpoint(self, directory: str) -> None:
+        """The trainer's state and HF export into ``directory`` (see :mod:`opd.training.checkpoint`)."""
+        self._call("trainer", "save_checkpoint", self.trainer.save_checkpoint, directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        self._call("trainer", "load_checkpoint", self.trainer.load_checkpoint, directory)
+
+
+def spawn_local_workers(cfg: Any, student_path: str, teacher_path: str) -> LocalWorkers:
+    """The teacher, rollout worker and trainer of :func:`opd.runtime.actors.spawn_workers`, built
+    in this process with the same arguments.
+
+    Raises:
+        RunError: DeepSpeed is not installed (the trainer needs it on either backend).
+    """
+    try:
+        importlib.import_module("deepspeed")
+    except ImportError as exc:
+        raise RunError(f"run.backend: local trains the student with DeepSpeed, as the Ray backend does, and it "
+                       f"cannot be imported here ({exc}): pip install deepspeed (on CPU it needs no compiler). "
+                       "Ray is not needed.", resumable=False) from None
+    import torch
+    from omegaconf import OmegaConf
+
+    from opd.training.trainer import StudentTrainer
+
+    res = cfg.resources
+    threads = res.torch_threads or os.cpu_count() or 1
+    # Once for the process: every role runs in it, one after another (each constructor below sets
+    # the same count again, as it does in its own actor).
+    torch.set_num_threads(threads)
+    student = OmegaConf.to_container(cfg.student, resolve=True)
+    teacher = OmegaConf.to_container(cfg.teacher, resolve=True)
+    teacher_worker = TeacherWorker(teacher, teacher_path, threads,
+                                   student_path if cfg.supervision.cross_tokenizer else None, student["trust_remote_code"])
+    rollout_worker = RolloutWorker(student, student_path, threads)
+    loss_terms = [(loss.name, float(loss.weight), OmegaConf.to_container(loss.args, resolve=True)) for loss in cfg.losses]
+    trainer = StudentTrainer(cfg.trainer, loss_terms, student_path, cfg.rollout.episodes_per_step, student["dtype"],
+                             student["trust_remote_code"], threads, cfg.run.total_steps, cfg.rollout.temperature)
+    return LocalWorkers(teacher=teacher_worker, rollout=rollout_worker, trainer=trainer)
