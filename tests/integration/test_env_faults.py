@@ -50,6 +50,8 @@ def test_run_survives_an_environment_that_raises_or_hangs(tmp_path, fault):
         assert math.isfinite(r["loss"]) and r["nonfinite_loss"] == 0.0
     assert (run / "checkpoints" / "step_2" / "COMPLETE").is_file()
     # The marked episodes are in the evaluation record with their reason.
-    episodes = [json.loads(line) for f in sorted((run / "trajectories").glob("*.jsonl")) for line in f.read_text().splitlines()]
+    from opd.evaluation.trajectories import read_episodes, run_episode_files
+
+    episodes = [e for f in run_episode_files(run) for e in read_episodes(f)]
     marked = [e for e in episodes if e["end_reason"] == "env_error"]
     assert marked and all(("timeout" if fault == "hang" else "simulated engine failure") in e["error"] for e in marked)
