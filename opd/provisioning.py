@@ -75,7 +75,8 @@ PROGRESS_MIN_INTERVAL_S = 5.0  # ...but not sooner than this after its previous 
 
 
 class StageProgress:
-    """How far one stage of a bootstrap build is (``what``: ``"SFT step"``), told through ``log``.
+    """How far one stage of a bootstrap build is (``what``: ``"SFT step"``), told through ``log``
+    (also ``opd eval``'s and ``opd compare``'s episodes and states, with their own ``prefix``).
 
     When ``log`` is the ``log`` method of a rich ``Console`` on a terminal (the CLI's), a progress
     bar with the time left, removed when the stage ends; otherwise a line at every tenth of the
@@ -93,8 +94,8 @@ class StageProgress:
     """
 
     def __init__(self, log: Callable[[str], None], what: str, total: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.log, self.what, self.total, self.clock = log, what, total, clock
+                 clock: Callable[[], float] = time.monotonic, prefix: str = "bootstrap") -> None:
+        self.log, self.what, self.total, self.clock, self.prefix = log, what, total, clock, prefix
         self.started = self.last_line = clock()
         self.tenths_logged = 0
         self.bar = None
@@ -102,7 +103,7 @@ class StageProgress:
         if total > 0 and type(console).__module__.startswith("rich.") and getattr(console, "is_terminal", False):
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-            self.bar = Progress(TextColumn(f"bootstrap: {what}"), BarColumn(bar_width=24), MofNCompleteColumn(),
+            self.bar = Progress(TextColumn(f"{prefix}: {what}"), BarColumn(bar_width=24), MofNCompleteColumn(),
                                 TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
                                 console=console, transient=True)
             self.task = self.bar.add_task(what, total=total, status="")
@@ -130,13 +131,13 @@ class StageProgress:
         self.tenths_logged, self.last_line = tenths, now
         elapsed = now - self.started
         left = elapsed / done * (self.total - done)
-        self.log(f"bootstrap: {self.what} {done}/{self.total}{', ' + status if status else ''} "
+        self.log(f"{self.prefix}: {self.what} {done}/{self.total}{', ' + status if status else ''} "
                  f"({elapsed:.0f}s, about {left:.0f}s left)")
 
     def finish(self, status: str = "") -> None:
         """The stage's closing line: the total, ``status`` and the time it took."""
         self._stop_bar()
-        self.log(f"bootstrap: {self.what} {self.total}/{self.total}{', ' + status if status else ''} "
+        self.log(f"{self.prefix}: {self.what} {self.total}/{self.total}{', ' + status if status else ''} "
                  f"in {self.clock() - self.started:.1f}s")
 
 

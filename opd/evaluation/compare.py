@@ -117,10 +117,17 @@ def restore(env: Any, ref: Reference, turn: int) -> None:
     observation against the recorded one (:class:`StateMismatch` otherwise)."""
     env.reset(seed=ref.seed, options={"task": ref.task})
     for i in range(turn):
-        obs = env.step(ref.responses[i].action_text)[0]
-        if obs != ref.observations[i]:
-            raise StateMismatch(f"task {ref.task!r}: after action {i} ({ref.responses[i].action_text!r}) the environment "
-                                f"answered {obs[:120]!r}, but the reference recorded {ref.observations[i][:120]!r}")
+        replay_step(env, ref, i)
+
+
+def replay_step(env: Any, ref: Reference, i: int) -> tuple:
+    """``env.step`` with ``ref``'s action ``i``; :class:`StateMismatch` unless the observation is
+    the recorded one."""
+    result = env.step(ref.responses[i].action_text)
+    if result[0] != ref.observations[i]:
+        raise StateMismatch(f"task {ref.task!r}: after action {i} ({ref.responses[i].action_text!r}) the environment "
+                            f"answered {result[0][:120]!r}, but the reference recorded {ref.observations[i][:120]!r}")
+    return result
 
 
 def collect_states(env_factory: Callable[[], Any], refs: Sequence[Reference], host: Any, settings: Any) -> list[State]:
@@ -135,10 +142,7 @@ def collect_states(env_factory: Callable[[], Any], refs: Sequence[Reference], ho
             for t, turn in enumerate(ref.responses):
                 states.append(State(r, t, len(ref.responses), list(context), str(info.get("expert_action") or ""), mistaken))
                 expert = info.get("expert_action")
-                obs, _, terminated, truncated, info = env.step(turn.action_text)
-                if obs != ref.observations[t]:
-                    raise StateMismatch(f"task {ref.task!r}: after action {t} ({turn.action_text!r}) the environment "
-                                        f"answered {obs[:120]!r}, but the reference recorded {ref.observations[t][:120]!r}")
+                obs, _, terminated, truncated, info = replay_step(env, ref, t)
                 mistaken = mistaken or not info.get("valid_action", True) or bool(expert and turn.action_text != expert)
                 if terminated or truncated:
                     break

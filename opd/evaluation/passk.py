@@ -100,7 +100,7 @@ def summarise(played: dict[int, list[tuple[int, Trajectory]]], spec: GridSpec) -
     """The grid's numbers: ``by_budget`` (success, score, turns, invalid actions, end reasons)
     and ``pass_at_k`` (one entry per budget and k, with its interval)."""
     by_budget, grid = [], []
-    for (fraction, turns), b in zip(spec.budgets, range(len(spec.budgets))):
+    for b, (fraction, turns) in enumerate(spec.budgets):
         episodes = [traj for _, traj in played[turns]]
         correct: Counter[str] = Counter()
         counted: Counter[str] = Counter()

@@ -104,27 +104,25 @@ def local_host(src: PolicySource) -> Any:
     return RolloutWorker(model_cfg, src.path, src.cfg.resources.torch_threads)
 
 
-def _progress(console: Any, total: int, label: str):
-    """A progress bar on a terminal, a line every ~10% otherwise; returns ``(advance, close)``."""
-    done = [0, 0]
+def _progress(log: Any, what: str, total: int, prefix: str):
+    """:class:`opd.provisioning.StageProgress` counted in steps of ``n``: returns it (a context
+    manager) and the ``advance(n)`` the grid and the comparison call."""
+    from opd.provisioning import StageProgress
 
-    if console is not None and console.is_terminal:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(bar_width=30), MofNCompleteColumn(), TimeRemainingColumn(),
-                       console=console, transient=True)
-        task = bar.add_task(label, total=total)
-        bar.start()
-        return (lambda n: bar.advance(task, n)), bar.stop
-    start = time.perf_counter()
+    progress, done = StageProgress(log, what, total, prefix=prefix), [0]
 
     def advance(n: int) -> None:
         done[0] += n
-        if done[0] * 10 // max(total, 1) > done[1] or done[0] == total:
-            done[1] = done[0] * 10 // max(total, 1)
-            print(f"{label}: {done[0]}/{total} ({time.perf_counter() - start:.0f}s)", flush=True)
+        progress.advance(done[0])
 
-    return advance, (lambda: None)
+    return progress, advance
+
+
+def _close_pools(*hosts: Any) -> None:
+    """The environment processes of each host's pool (:meth:`RolloutWorker.envs`)."""
+    for host in hosts:
+        if getattr(host, "_pool", None) is not None:
+            host._pool.close()
 
 
 def evaluate_command(source: str, recipe: str | None, overrides: list[str], console: Any, *, name: str | None = None,
@@ -172,25 +170,22 @@ def evaluate_command(source: str, recipe: str | None, overrides: list[str], cons
     def factory_for(turns: int) -> EnvFactory:
         return EnvFactory(cfg.env.id, {**dict(cfg.env.kwargs), "max_turns": turns}, cfg.env.module)
 
-    advance, close = _progress(console, len(task_ids) * samples * len(spec.budgets), "eval")
+    progress, advance = _progress(log, "episode", len(task_ids) * samples * len(spec.budgets), "eval")
     start = time.perf_counter()
     try:
-        played = play_grid(collect, factory_for, task_ids, spec, advance)
+        with progress:
+            played = play_grid(collect, factory_for, task_ids, spec, advance)
+            progress.finish()
     finally:
-        close()
-        pool = getattr(host, "_pool", None)
-        if pool is not None:
-            pool.close()
+        _close_pools(host)
     result = {"name": name, "policy": src.label, "model": src.path, "env": cfg.env.id, "split": split,
               "tasks": len(task_ids), "samples": samples, "temperature": temperature, "max_turns": max_turns,
               "confidence": spec.confidence, "ci_method": f"percentile bootstrap over tasks, {spec.resamples} resamples",
               "budgets": [{"fraction": f, "turns": t} for f, t in spec.budgets], "seconds": time.perf_counter() - start,
               **summarise(played, spec)}
-    rows = []
-    for turns, pairs in played.items():
-        part = episode_rows([traj for _, traj in pairs], host.tokenizer, 0, name, samples=[j for j, _ in pairs],
-                            turn_budget=turns)
-        rows += part
+    rows = [row for turns, pairs in played.items()
+            for row in episode_rows([traj for _, traj in pairs], host.tokenizer, 0, name,
+                                    samples=[j for j, _ in pairs], turn_budget=turns)]
     result["episodes"] = write_episodes(out_dir / f"{name}.episodes.parquet", rows).name
     result["plot"] = plot_grid(result, out_dir / f"{name}.png").name
     atomic_write_text(out_dir / f"{name}.json", json.dumps(result, indent=2))
@@ -254,20 +249,19 @@ def compare_command(source_a: str, source_b: str, recipe: str | None, overrides:
     total_states = sum(len(r.responses) for r in refs)
     log(f"comparing B = {src_b.label} with A = {src_a.label} in the states of {len(refs)} episodes ({ref_label}), "
         f"judged by {judge}")
-    advance, close = _progress(console, total_states, "compare")
+    progress, advance = _progress(log, "state", total_states, "compare")
     try:
-        result = compare_policies(host_a, host_b, factory, refs, settings, judge=judge, rollouts=rollouts,
-                                  seed=cfg.run.seed, advance=advance)
+        with progress:
+            result = compare_policies(host_a, host_b, factory, refs, settings, judge=judge, rollouts=rollouts,
+                                      seed=cfg.run.seed, advance=advance)
+            progress.finish()
     except StateMismatch as exc:
         raise ConfigError(f"a reference state could not be restored exactly: {exc}. Is the environment deterministic "
                           "for a task and seed, and does the reference come from this environment?") from None
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     finally:
-        close()
-        for host in (host_a, host_b):
-            if getattr(host, "_pool", None) is not None:
-                host._pool.close()
+        _close_pools(host_a, host_b)
     result = {"name": name or f"{src_b.name}_vs_{src_a.name}", "a": src_a.label, "b": src_b.label,
               "reference": ref_label, "env": cfg.env.id, "split": split, **result}
     out_dir = Path(out) if out else src_b.out_dir
