@@ -198,34 +198,42 @@ def _plain(text: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
+def role_arguments(cfg: Any, student_path: str, teacher_path: str) -> tuple[int, tuple, tuple, tuple]:
+    """The thread count and the constructor arguments of :class:`TeacherWorker`,
+    :class:`RolloutWorker` and :class:`opd.training.trainer.StudentTrainer` for a recipe: one
+    place for both backends (Ray actors here, plain objects in :mod:`opd.runtime.local`)."""
+    from omegaconf import OmegaConf
+
+    threads = cfg.resources.torch_threads or os.cpu_count() or 1
+    student = OmegaConf.to_container(cfg.student, resolve=True)
+    teacher = OmegaConf.to_container(cfg.teacher, resolve=True)
+    loss_terms = [(loss.name, float(loss.weight), OmegaConf.to_container(loss.args, resolve=True)) for loss in cfg.losses]
+    return (threads,
+            (teacher, teacher_path, threads, student_path if cfg.supervision.cross_tokenizer else None,
+             student["trust_remote_code"]),
+            (student, student_path, threads),
+            (cfg.trainer, loss_terms, student_path, cfg.rollout.episodes_per_step, student["dtype"],
+             student["trust_remote_code"], threads, cfg.run.total_steps, cfg.rollout.temperature))
+
+
 def spawn_workers(cfg: Any, student_path: str, teacher_path: str) -> RayWorkers:
     """Create the teacher, rollout and trainer actors with the recipe's resource shares."""
     import ray
-    from omegaconf import OmegaConf
 
     from opd.training.trainer import StudentTrainer
 
     res = cfg.resources
-    threads = res.torch_threads or os.cpu_count() or 1
+    threads, teacher_args, rollout_args, trainer_args = role_arguments(cfg, student_path, teacher_path)
     # Ray would set OMP_NUM_THREADS to an actor's (rounded-down) CPU share; on a small machine
     # the phases run one after another, so each actor may use every core while it works.
     thread_env = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
-    student = OmegaConf.to_container(cfg.student, resolve=True)
-    teacher = OmegaConf.to_container(cfg.teacher, resolve=True)
     teacher_actor = ray.remote(TeacherWorker).options(
-        num_cpus=res.teacher_cpus, num_gpus=res.teacher_gpus, runtime_env=thread_env
-    ).remote(teacher, teacher_path, threads, student_path if cfg.supervision.cross_tokenizer else None,
-             student["trust_remote_code"])
+        num_cpus=res.teacher_cpus, num_gpus=res.teacher_gpus, runtime_env=thread_env).remote(*teacher_args)
     rollout_actor = ray.remote(RolloutWorker).options(
-        num_cpus=res.rollout_cpus, num_gpus=res.rollout_gpus, runtime_env=thread_env
-    ).remote(student, student_path, threads)
-    loss_terms = [(loss.name, float(loss.weight), OmegaConf.to_container(loss.args, resolve=True)) for loss in cfg.losses]
+        num_cpus=res.rollout_cpus, num_gpus=res.rollout_gpus, runtime_env=thread_env).remote(*rollout_args)
     trainer_actor = ray.remote(StudentTrainer).options(
-        num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus, runtime_env=thread_env
-    ).remote(cfg.trainer, loss_terms, student_path, cfg.rollout.episodes_per_step, student["dtype"],
-             student["trust_remote_code"], threads, cfg.run.total_steps, cfg.rollout.temperature)
+        num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus, runtime_env=thread_env).remote(*trainer_args)
     return RayWorkers(teacher=teacher_actor, rollout=rollout_actor, trainer=trainer_actor, timeout_s=res.actor_timeout_s)
-
 
 
 def local_teacher_player(cfg: Any, log: Callable[[str], None]) -> Callable[[list[str]], list[Trajectory]]:

@@ -35,14 +35,13 @@ Example:
 from __future__ import annotations
 
 import importlib
-import os
 import time
 from bdb import BdbQuit
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from opd.algorithms.base import Role
-from opd.runtime.actors import RolloutWorker, TeacherWorker
+from opd.runtime.actors import RolloutWorker, TeacherWorker, role_arguments
 from opd.runtime.errors import RunError, WorkerError
 from opd.trajectory import Trajectory
 
@@ -110,21 +109,13 @@ def spawn_local_workers(cfg: Any, student_path: str, teacher_path: str) -> Local
                        f"cannot be imported here ({exc}): pip install deepspeed (on CPU it needs no compiler). "
                        "Ray is not needed.", resumable=False) from None
     import torch
-    from omegaconf import OmegaConf
 
     from opd.training.trainer import StudentTrainer
 
-    res = cfg.resources
-    threads = res.torch_threads or os.cpu_count() or 1
+    threads, teacher_args, rollout_args, trainer_args = role_arguments(cfg, student_path, teacher_path)
     # Once for the process: every role runs in it, one after another (each constructor below sets
     # the same count again, as it does in its own actor).
     torch.set_num_threads(threads)
-    student = OmegaConf.to_container(cfg.student, resolve=True)
-    teacher = OmegaConf.to_container(cfg.teacher, resolve=True)
-    teacher_worker = TeacherWorker(teacher, teacher_path, threads,
-                                   student_path if cfg.supervision.cross_tokenizer else None, student["trust_remote_code"])
-    rollout_worker = RolloutWorker(student, student_path, threads)
-    loss_terms = [(loss.name, float(loss.weight), OmegaConf.to_container(loss.args, resolve=True)) for loss in cfg.losses]
-    trainer = StudentTrainer(cfg.trainer, loss_terms, student_path, cfg.rollout.episodes_per_step, student["dtype"],
-                             student["trust_remote_code"], threads, cfg.run.total_steps, cfg.rollout.temperature)
+    teacher_worker, rollout_worker = TeacherWorker(*teacher_args), RolloutWorker(*rollout_args)
+    trainer = StudentTrainer(*trainer_args)
     return LocalWorkers(teacher=teacher_worker, rollout=rollout_worker, trainer=trainer)
