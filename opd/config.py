@@ -497,3 +497,18 @@ def _validate_resources(res: Any, source: str) -> None:
 def to_yaml(cfg: Any) -> str:
     """The resolved config as YAML, as written to ``config.yaml`` in the run directory."""
     return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Plain nested data as dotted keys: ``{"a": {"b": 1}, "c": [{"d": 2}]}`` -> ``{"a.b": 1,
+    "c.0.d": 2}``; an empty mapping or list stays a value of its own key."""
+    if isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, list):
+        items = ((str(i), v) for i, v in enumerate(node))
+    else:
+        return {prefix: node}
+    flat: dict[str, Any] = {}
+    for key, value in items:
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat or {prefix: node}

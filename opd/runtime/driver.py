@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from opd.config import ConfigError, to_yaml
+from opd.config import ConfigError, flatten, to_yaml
 from opd.runtime.errors import RunError, WorkerError
 from opd.runtime.tracking import Trackers, require_backends
 from opd.training.checkpoint import (CheckpointError, atomic_write_text, complete_checkpoints, latest_checkpoint,
@@ -253,22 +253,9 @@ def recipe_changes(old_yaml: str, cfg: Any) -> list[tuple[str, Any, Any]]:
     """``(dotted key, old, new)`` for every leaf where ``cfg`` differs from a saved ``config.yaml``."""
     from omegaconf import OmegaConf
 
-    old = _flatten(OmegaConf.to_container(OmegaConf.create(old_yaml), resolve=True))
-    new = _flatten(OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)), resolve=True))
+    old = flatten(OmegaConf.to_container(OmegaConf.create(old_yaml), resolve=True))
+    new = flatten(OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)), resolve=True))
     return [(key, old.get(key), new.get(key)) for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
-
-
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict):
-        items = node.items()
-    elif isinstance(node, list):
-        items = ((str(i), v) for i, v in enumerate(node))
-    else:
-        return {prefix: node}
-    flat: dict[str, Any] = {}
-    for key, value in items:
-        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-    return flat or {prefix: node}
 
 
 def _time_split(path: Path) -> dict[str, float]:

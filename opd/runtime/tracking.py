@@ -32,7 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from opd.config import to_yaml
+from opd.config import flatten, to_yaml
 from opd.schema import ConfigError
 from opd.training.checkpoint import atomic_write_text
 
@@ -229,7 +229,7 @@ def _start_mlflow(mlflow_tracking: Any, run_dir: Path, cfg: Any, run_id: str | N
     limit = _mlflow_param_chars()
     # Params only when the run is created: MLflow refuses to change a param's value, and a resumed
     # run may change a few keys (driver.RESUMABLE_KEYS).
-    params = [Param(_mlflow_key(k), str(v)[:limit]) for k, v in _flatten(_recipe(cfg)).items()]
+    params = [Param(_mlflow_key(k), str(v)[:limit]) for k, v in flatten(_recipe(cfg)).items()]
     for start in range(0, len(params), _MLFLOW_BATCH):
         client.log_batch(run.info.run_id, params=params[start:start + _MLFLOW_BATCH])
     log(f"mlflow: run {run.info.run_id} in {store}; browse with `mlflow ui --backend-store-uri {store}`")
@@ -260,17 +260,3 @@ def _mlflow_key(key: str) -> str:
     could not both be stored. Leading dots would make a name MLflow reads as a path: dropped."""
     key = _MLFLOW_BAD_CHARS.sub("_", key).replace("/", ".").lstrip(".")
     return key[:_MLFLOW_KEY_CHARS] or "_"
-
-
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}, "c": [{"d": 2}]}`` -> ``{"a.b": 1, "c.0.d": 2}``."""
-    if isinstance(node, dict):
-        items = node.items()
-    elif isinstance(node, list):
-        items = enumerate(node)
-    else:
-        return {prefix: node}
-    out: dict[str, Any] = {}
-    for key, value in items:
-        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-    return out
