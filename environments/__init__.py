@@ -8,6 +8,7 @@ Environments (``opd envs`` lists them with one line each; docs in ``docs/envs/``
     opd/BFCLMultiTurn-v0: BFCL multi-turn tool calling (official backend and checker).
     opd/SQLText-v0: text-to-SQL over generated SQLite databases.
     opd/ClinicalWorkup-v0: a clinical work-up simulator (refill triage, diagnosis, titration).
+    opd/PromptDataset-v0: single-turn prompts from a dataset file (GKD-style distillation, GRPO).
 
 Registration is lazy (an entry-point string): an engine is imported only when its env is made.
 
@@ -37,3 +38,4 @@ _register("opd/TextWorldExpressText-v0", "environments.textworld_express_env:Tex
 _register("opd/BFCLMultiTurn-v0", "environments.bfcl_env:BFCLMultiTurnEnv")
 _register("opd/SQLText-v0", "environments.sql_env:SQLTextEnv")
 _register("opd/ClinicalWorkup-v0", "environments.clinical:ClinicalWorkupEnv")
+_register("opd/PromptDataset-v0", "environments.prompt_dataset:PromptDatasetEnv")
