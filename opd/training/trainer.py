@@ -3,7 +3,20 @@ checkpoints and a safetensors HF export.
 
 On CPU DeepSpeed runs with its CPU accelerator and the gloo backend, one rank per trainer; on
 GPU the same code gets the CUDA accelerator and NCCL. The optimizer is torch's AdamW handed to
-DeepSpeed (its fused CPU Adam needs a compiler toolchain at run time).
+DeepSpeed (DeepSpeed's own CPU Adam needs a compiler toolchain at run time), in its fused form
+where the device has one (one kernel per tensor: on CPU 2-6x faster than the per-op loop, which
+made the update of a 135M-parameter student a large share of a step). With ZeRO stage 0 and a
+single rank, DeepSpeed's gradient all-reduce (flatten every gradient, reduce over one rank, copy
+back) changes nothing and is skipped.
+
+The losses read the student's logprobs only where they train: on ``loss_mask_BT`` and the named
+masks of ``masks_BT``, and the full distribution only when a loss can use it (the batch carries the
+teacher's top-k or full scores, or a term asks for the ``topk`` / ``full`` estimator). So when
+every term is a built-in of :mod:`opd.losses`, the trainer runs the LM head and the log-softmax
+at those positions only (:func:`student_logprobs_at`): on multi-turn rows, where most tokens are
+observations, the vocabulary-wide log-softmax over every position was a large share of a step
+(``bench/mfu.py``, ``docs/performance.md``). A user's loss may read any position, so with one in
+the recipe every position is computed, as :func:`student_logprobs` does.
 
 A micro-batch whose loss is NaN or infinite contributes no gradient: its loss is replaced by a
 zero that keeps the graph, and the step reports ``nonfinite_loss``. The driver stops the run
@@ -17,21 +30,27 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from opd.generation.packed import causal_forward, packed_forward
-from opd.losses import combined_loss, needs_reference
+from opd.losses import combined_loss, needs_reference, resolve_loss
 from opd.training.checkpoint import CheckpointError, check_pickles, safe_torch_load
 from opd.models import load_model, load_tokenizer, save_model
 from opd.trajectory import TokenBatch
+
+log = logging.getLogger(__name__)
+GATHER_LOGPROBS = True  # False: every position's log-softmax, as before (bench/mfu.py measures one against the other)
+_WARNED: set[str] = set()  # model classes already warned about (once each)
 
 
 def init_single_rank_distributed() -> None:
@@ -75,6 +94,103 @@ def student_logprobs(model, batch: TokenBatch, temperature: float = 1.0) -> tupl
     return torch.cat([zeros_B1V[..., 0], picked_BT], dim=1), torch.cat([zeros_B1V, logp_BTV], dim=1)
 
 
+class _FinalHiddenStates:
+    """The model as :mod:`opd.generation.packed`'s forwards call it, answering with the final
+    hidden states (the LM head's input, after the last norm) in place of the logits: the LM head
+    runs at one position only (``logits_to_keep=1``), whose logits check that the head is the
+    plain linear map :func:`student_logprobs_at` applies (no soft-capping or scaling after it)."""
+
+    def __init__(self, model):
+        self.model = model  # the DeepSpeed engine or the HF model: the call goes through its forward
+        self.module = getattr(model, "module", model)  # what packed reads the config from
+        self.head = self.module.get_output_embeddings()
+        self.ok = False
+
+    def __call__(self, **inputs):
+        self.ok = False
+        ids_BL = inputs["input_ids"]
+        placeholder_BL1 = torch.zeros(*ids_BL.shape, 1, device=ids_BL.device)  # what the caller reorders when not ok
+        decoder = getattr(self.module, "get_decoder", lambda: None)()
+        if not isinstance(decoder, torch.nn.Module):
+            return SimpleNamespace(logits=placeholder_BL1)
+        captured = []
+        hook = decoder.register_forward_hook(lambda mod, args, out: captured.append(out[0]))
+        try:
+            logits_B1V = self.model(**inputs, logits_to_keep=1).logits
+        except TypeError:  # a forward without logits_to_keep
+            return SimpleNamespace(logits=placeholder_BL1)
+        finally:
+            hook.remove()
+        hidden_BLH = captured[-1] if captured else None
+        if hidden_BLH is not None and isinstance(self.head, torch.nn.Linear):
+            with torch.no_grad():  # padding positions may hold NaN (a query that sees no key)
+                self.ok = torch.allclose(self.head(hidden_BLH[:, -1:]).float(), logits_B1V.float(), rtol=1e-4,
+                                         atol=1e-4, equal_nan=True)
+        return SimpleNamespace(logits=hidden_BLH if self.ok else placeholder_BL1)
+
+
+def student_logprobs_at(model, batch: TokenBatch, positions_BT: torch.Tensor, temperature: float = 1.0,
+                        full_vocab: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`student_logprobs` at ``positions_BT`` (bool ``[B, T]``) only: ``[B, T]`` and, with
+    ``full_vocab``, ``[B, T, V]`` (else ``None``), equal to its values there and 0 elsewhere
+    (where they carry no gradient).
+
+    The transformer runs on every token (each position's hidden state feeds the later ones), but
+    the LM head and the log-softmax over the vocabulary only on the ``N`` hidden states that
+    predict a selected token: ``[N, V]`` in place of ``[B, T, V]``, forward and backward. A model
+    whose head is not a plain linear map of the decoder's output (soft-capped or scaled logits)
+    falls back to :func:`student_logprobs`, with a warning.
+    """
+    positions_BT = positions_BT.bool().clone()
+    positions_BT[:, 0] = False  # nothing predicts the first token
+    stand_in = _FinalHiddenStates(model)
+    if batch.branch_ids_BT is None:
+        hidden_BTH = causal_forward(stand_in, batch.input_ids_BT, batch.attention_mask_BT)
+    else:  # packed rows: a trunk and branches, one forward (see TokenBatch.branch_ids_BT)
+        hidden_BTH = packed_forward(stand_in, batch.input_ids_BT, batch.position_ids_BT, batch.branch_ids_BT,
+                                    batch.attention_mask_BT.bool())
+    if not stand_in.ok:
+        name = type(stand_in.module).__name__
+        if name not in _WARNED:
+            _WARNED.add(name)
+            log.warning("%s: the LM head is not a plain linear map of the decoder's output; the student's logprobs "
+                        "are computed at every position", name)
+        picked_BT, full_BTV = student_logprobs(model, batch, temperature)
+        picked_BT = torch.where(positions_BT, picked_BT, 0.0)
+        return picked_BT, torch.where(positions_BT[..., None], full_BTV, 0.0) if full_vocab else None
+    # A trained token's predictor is the position just before it in the row (packed rows too).
+    b_N, t_N = positions_BT.nonzero(as_tuple=True)
+    logp_NV = torch.log_softmax(stand_in.head(hidden_BTH[b_N, t_N - 1]).float() / temperature, dim=-1)
+    picked_N = logp_NV.gather(1, batch.input_ids_BT[b_N, t_N][:, None]).squeeze(1)
+    picked_BT = logp_NV.new_zeros(positions_BT.shape).index_put((b_N, t_N), picked_N)
+    if not full_vocab:
+        return picked_BT, None
+    return picked_BT, logp_NV.new_zeros(*positions_BT.shape, logp_NV.shape[1]).index_put((b_N, t_N), logp_NV)
+
+
+def trained_positions_BT(batch: TokenBatch) -> torch.Tensor:
+    """``[B, T]`` bool: the tokens some loss trains on, ``loss_mask_BT`` and every named mask."""
+    positions_BT = batch.loss_mask_BT > 0
+    for mask_BT in (batch.masks_BT or {}).values():
+        positions_BT = positions_BT | (mask_BT > 0)
+    return positions_BT
+
+
+def reads_trained_positions_only(terms: list[tuple[str, float, dict]]) -> bool:
+    """Whether every term is a built-in of :mod:`opd.losses`, which read the student's logprobs
+    on :func:`trained_positions_BT` only; a user's loss may read any position."""
+    return all(getattr(resolve_loss(name), "__module__", "") == "opd.losses" for name, _, _ in terms)
+
+
+def needs_student_distribution(batch: TokenBatch, terms: list[tuple[str, float, dict]]) -> bool:
+    """Whether a built-in loss may read ``student_logprobs_BTV``: only an exact (``topk`` /
+    ``full``) estimator does, which ``auto`` picks when the batch carries the teacher's top-k or
+    full scores (PivotOPD's recovery rows carry top-k targets), and a term may name explicitly."""
+    exact = ("topk", "full")
+    return (batch.teacher_topk_ids_BTK is not None or batch.teacher_full_logprobs_BTV is not None
+            or any((args or {}).get("estimator") in exact for _, _, args in terms))
+
+
 def token_logprobs(model, batch: TokenBatch) -> torch.Tensor:
     """``[B, T]`` logprob of each token given the tokens before it (0 at t = 0), temperature 1."""
     return student_logprobs(model, batch)[0]
@@ -101,6 +217,24 @@ def lr_multiplier(warmup_steps: int, total_steps: int, schedule: str = "constant
         return ramp * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total)))
 
     return factor
+
+
+def cpu_has_bf16_kernels() -> bool:
+    """Whether oneDNN has bfloat16 matmul kernels for this CPU (they need AVX-512, or Arm's BF16).
+    Without them PyTorch's bfloat16 matrix products take a generic path, far slower than float32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return False
+
+
+def adamw(params: list[torch.nn.Parameter], **kwargs) -> torch.optim.AdamW:
+    """torch's AdamW, fused where the parameters' device supports it (CPU and CUDA do), else
+    its per-op loop. The two give the same update to float rounding."""
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except (RuntimeError, ValueError):  # no fused kernel for this device or dtype
+        return torch.optim.AdamW(params, **kwargs)
 
 
 def accumulate_metrics(sums: dict[str, float], weights: dict[str, float], metrics: dict[str, float],
@@ -141,12 +275,9 @@ class StudentTrainer:
         self.micro_batch_tokens = int(trainer_cfg.micro_batch_tokens)
         self.tokenizer = load_tokenizer(model_dir, trust_remote_code)
         model = load_model(model_dir, dtype=dtype, trust_remote_code=trust_remote_code).train()
-        optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=float(trainer_cfg.learning_rate),
-            betas=(float(trainer_cfg.adam_beta1), float(trainer_cfg.adam_beta2)),
-            weight_decay=float(trainer_cfg.weight_decay),
-        )
+        optimizer = adamw(list(model.parameters()), lr=float(trainer_cfg.learning_rate),
+                          betas=(float(trainer_cfg.adam_beta1), float(trainer_cfg.adam_beta2)),
+                          weight_decay=float(trainer_cfg.weight_decay))
         # The scheduler lives in DeepSpeed's checkpoint, so a resumed run continues its schedule.
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(
             trainer_cfg.warmup_steps, total_steps, trainer_cfg.lr_schedule, trainer_cfg.min_lr_ratio))
@@ -162,6 +293,10 @@ class StudentTrainer:
         }
         if dtype == "bfloat16":
             ds_config["bf16"] = {"enabled": True}
+            if not torch.cuda.is_available() and not cpu_has_bf16_kernels():
+                log.warning("student.dtype=bfloat16 on a CPU without oneDNN's bfloat16 matmul kernels (no AVX-512): "
+                            "its matrix products take a slow path (about 10x float32's here); float32 is faster "
+                            "(docs/performance.md)")
         # A loss anchored to the starting weights (reference_kl) gets their logprobs from a
         # frozen copy; a resumed run still loads the starting weights here, not the checkpoint's.
         self.reference = None
@@ -173,7 +308,21 @@ class StudentTrainer:
         if self.reference is not None:
             self.reference.to(self.engine.device)
         self.zero_stage = int(trainer_cfg.zero_stage)
+        if self.zero_stage == 0 and torch.distributed.get_world_size() == 1:
+            # Stage 0 reduces every gradient at the boundary: a flatten and a copy back of the whole
+            # model for a sum over one rank. (ZeRO 1-3 move the gradients into their partitions as
+            # they reduce, so they keep it.)
+            self.engine.enable_backward_allreduce = False
+        self.gather_logprobs = reads_trained_positions_only(loss_terms)
         self.steps = 0
+
+    def _student_logprobs(self, model, micro: TokenBatch, full_vocab: bool = True):
+        """``model``'s logprobs on ``micro``: where the losses read them (see the module
+        docstring), else at every position."""
+        if GATHER_LOGPROBS and self.gather_logprobs:
+            full_vocab = full_vocab and needs_student_distribution(micro, self.loss_terms)
+            return student_logprobs_at(model, micro, trained_positions_BT(micro), self.temperature, full_vocab)
+        return student_logprobs(model, micro, self.temperature)
 
     def train_step(self, batch: TokenBatch) -> dict[str, float]:
         """One optimizer update over ``batch`` (split into micro-batches)."""
@@ -197,9 +346,9 @@ class StudentTrainer:
             micro = micro.to(self.engine.device)
             if self.reference is not None:
                 with torch.no_grad():
-                    reference_BT = student_logprobs(self.reference, micro, self.temperature)[0]
+                    reference_BT = self._student_logprobs(self.reference, micro, full_vocab=False)[0]
                 micro = replace(micro, reference_logprobs_BT=reference_BT)
-            micro = micro.with_student(*student_logprobs(self.engine, micro, self.temperature))
+            micro = micro.with_student(*self._student_logprobs(self.engine, micro))
             loss, metrics = combined_loss(micro, self.loss_terms)
             if not torch.isfinite(loss):
                 nonfinite += 1
