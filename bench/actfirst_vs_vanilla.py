@@ -49,15 +49,16 @@ def run(recipe: str, algorithm: str, out: Path, steps: int, overrides: list[str]
     """Train ``recipe`` with ``algorithm`` for ``steps`` updates in ``out/name`` (default: the
     algorithm's name); the run's summary and means."""
     run_dir = out / (name or algorithm)
-    import ray
-
     from opd.config import load_config
     from opd.runtime.driver import train
 
     cfg = load_config(recipe, [f"algorithm={algorithm}", f"run.output_dir={run_dir}",
                                f"run.total_steps={steps}", *overrides])
     summary = train(cfg, console=console)
-    ray.shutdown()  # the next run starts its own actors on a fresh local Ray
+    if cfg.run.backend == "ray":
+        import ray
+
+        ray.shutdown()  # the next run starts its own actors on a fresh local Ray
     rows = _steps(run_dir)
     keys = ("time/step_s", "time/generation_s", "time/teacher_scoring_s", "time/training_s", "time/weight_sync_s",
             "turns_per_episode", "success", "actfirst/s_ideal", "latency/fast_s", "latency/full_s",

@@ -351,6 +351,11 @@ def validate(cfg: Any, source: str = "config") -> None:
             f"{source}: key 'trainer.micro_batch_size' ({trainer.micro_batch_size}) must divide "
             f"'rollout.episodes_per_step' ({rollout.episodes_per_step})."
         )
+    if cfg.run.async_steps and not algorithm.pipelines:
+        pipelined = sorted(name for name in ALGORITHMS if get_algorithm(name).pipelines)
+        raise ConfigError(f"{source}: key 'run.async_steps' is {cfg.run.async_steps}, but algorithm {cfg.algorithm!r} "
+                          f"plays its episodes its own way and cannot start the next step's early; set it to 0 "
+                          f"(pipelined: {', '.join(pipelined)}).")
     _validate_losses(cfg, algorithm, source)
     algorithm.check_config(cfg, source)
     _validate_env(cfg.env, source)

@@ -162,8 +162,9 @@ class LossConfig:
 
 @dataclass
 class TrainerConfig:
-    """The DeepSpeed student trainer."""
+    """The student trainer: DeepSpeed, or plain PyTorch on one rank."""
 
+    engine: Literal["deepspeed", "torch"] = "deepspeed"  # torch: plain PyTorch, one rank, no DeepSpeed needed
     learning_rate: float = 1e-4  # AdamW learning rate
     warmup_steps: int = 10  # linear learning-rate warm-up; Adam's first steps are full-size otherwise
     lr_schedule: Literal["constant", "cosine"] = "constant"  # cosine: to min_lr_ratio at run.total_steps
@@ -172,7 +173,7 @@ class TrainerConfig:
     adam_beta1: float = 0.9  # AdamW beta1
     adam_beta2: float = 0.999  # AdamW beta2
     grad_clip_norm: float = 1.0  # global gradient-norm clip
-    zero_stage: Literal[0, 1, 2, 3] = 0  # DeepSpeed ZeRO stage
+    zero_stage: Literal[0, 1, 2, 3] = 0  # DeepSpeed ZeRO stage (engine: torch has one rank: no effect)
     micro_batch_size: int = 32  # sequences per forward/backward; must divide episodes_per_step
     micro_batch_tokens: int = 4096  # cap on a micro-batch's padded tokens (rows x its longest row); 0: no cap
     max_nonfinite_steps: int = 3  # consecutive steps with a NaN/inf loss before the run stops
@@ -195,6 +196,7 @@ class RunConfig:
     # teacher logprobs) to trajectories/train_step_N.parquet every this many steps, for `opd report`; 0: never
     trajectory_episodes: int = 4  # episodes in each such sample (the first ones of the step)
     backend: Literal["ray", "local"] = "ray"  # ray: three actors; local: the same roles in this process, no Ray (pdb)
+    async_steps: int = 0  # 1: step k+1's rollout runs while step k is scored and trained (weights one update stale)
 
 
 @dataclass
@@ -298,7 +300,8 @@ BOUNDS: dict[type, dict[str, Bound]] = {
                     "micro_batch_size": _COUNT, "micro_batch_tokens": _CAP, "max_nonfinite_steps": Bound(1, 10**6)},
     RunConfig: {"total_steps": Bound(1, 10**9), "seed": _SEED, "eval_every_steps": Bound(0, 10**9),
                 "eval_episodes": _COUNT, "save_every_steps": Bound(0, 10**9), "keep_checkpoints": Bound(1, 10_000),
-                "trajectory_every_steps": Bound(0, 10**9), "trajectory_episodes": Bound(1, 100_000)},
+                "trajectory_every_steps": Bound(0, 10**9), "trajectory_episodes": Bound(1, 100_000),
+                "async_steps": Bound(0, 1)},
     ResourcesConfig: {"num_cpus": _CPUS, "teacher_cpus": _CPUS, "rollout_cpus": _CPUS, "trainer_cpus": _CPUS,
                       "teacher_gpus": _GPUS, "rollout_gpus": _GPUS, "trainer_gpus": _GPUS,
                       "torch_threads": Bound(0, 100_000), "actor_timeout_s": Bound(0, 10**7, low_strict=True)},

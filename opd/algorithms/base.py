@@ -63,10 +63,23 @@ class Workers(Protocol):
         """The trainer's weights into the student's rollout engine; ``weight_sync_s`` (end to end)
         and ``weight_load_s`` (the copy inside the rollout worker)."""
 
+    def collect_later(self, who: Role, env_factory: EnvFactory, tasks: list[str], settings: EpisodeSettings,
+                      seed: int) -> Pending:
+        """:meth:`collect`, started now and answered by the returned :class:`Pending`'s
+        ``result()``: the worker plays while the caller goes on (the pipelined loop). A later
+        call to the same worker waits for it; the local backend plays at once."""
+
     def run(self, who: Role, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(host, *args)`` inside ``who``'s worker (``host`` a :class:`PolicyHost`): how an
         algorithm runs its own rollout or scoring code next to an engine. ``fn`` must be
         importable (a module-level function)."""
+
+
+class Pending(Protocol):
+    """A call in flight (:meth:`Workers.collect_later`)."""
+
+    def result(self) -> Any:
+        """Its answer, waiting for it (bounded as every wait for a worker is)."""
 
 
 class EpisodeRecorder(Protocol):
@@ -107,6 +120,9 @@ class RunContext:
         fmt: the student's ChatML ids.
         episodes: where episodes are kept for ``opd report`` (the driver's writes
             ``trajectories/*.parquet``).
+        rollouts: the student's training episodes of each step, played when asked or one step
+            ahead (``run.async_steps``); the algorithms take them through
+            :func:`opd.algorithms.step.student_episodes`.
     """
 
     cfg: OPDConfig
@@ -118,6 +134,54 @@ class RunContext:
     eval_settings: EpisodeSettings
     fmt: ChatFormat
     episodes: EpisodeRecorder = field(default_factory=NoRecorder)
+    rollouts: StepRollouts = field(default_factory=lambda: StepRollouts(0, 0))
+
+
+@dataclass
+class StepRollouts:
+    """The student's training episodes, step by step; with ``ahead`` = 1 (``run.async_steps``)
+    each step also starts the next step's rollout before it is scored and trained, so the rollout
+    worker plays step k+1 while the teacher scores and the trainer trains step k.
+
+    Step k+1's rollout then runs on the weights synced after step k-1: one update older than the
+    policy that trains on it (``staleness`` 1). The losses' importance ratio against the
+    behaviour logprobs recorded with each token corrects for that, as for any off-policy sample.
+    ``updates`` counts the weight syncs, so the staleness is measured, not assumed.
+
+    Attributes:
+        ahead: 0 (play each step when asked) or 1 (one step ahead).
+        last_step: the run's last step (nothing is started beyond it).
+        updates: weight syncs so far (:func:`opd.algorithms.step.train_and_sync` counts them).
+    """
+
+    ahead: int
+    last_step: int
+    updates: int = 0
+    _next: tuple[int, Pending, int] | None = None  # (step, its rollout in flight, updates at its start)
+
+    def wants(self, step: int) -> bool:
+        """Whether step ``step`` starts step ``step + 1``'s rollout."""
+        return bool(self.ahead) and step < self.last_step
+
+    def episodes(self, ctx: RunContext, step: int, draw: tuple[list[str], int],
+                 next_draw: tuple[list[str], int] | None = None) -> tuple[list[Trajectory], dict[str, float], int]:
+        """Step ``step``'s episodes of its ``(tasks, seed)`` and their generation figures, and how
+        many updates older than the current weights the ones that played them are; with
+        ``next_draw``, step ``step + 1``'s rollout is started before this returns."""
+        if self._next is not None and self._next[0] == step:
+            _, pending, started_at = self._next
+            self._next = None
+            trajs, gen = pending.result()
+            staleness = self.updates - started_at
+        else:
+            self._next = None  # a step other than the one started (a resumed run): play it now
+            trajs, gen = ctx.workers.collect("student", ctx.env_factory, draw[0], ctx.train_settings, draw[1])
+            staleness = 0
+        if next_draw is not None:
+            pending = ctx.workers.collect_later("student", ctx.env_factory, next_draw[0], ctx.train_settings,
+                                                next_draw[1])
+            self._next = (step + 1, pending, self.updates)
+        return trajs, gen, staleness
 
 
 def no_rules(cfg: OPDConfig, source: str) -> None:
@@ -138,6 +202,9 @@ class Algorithm:
         masks: the named token masks its batches carry (:attr:`opd.trajectory.TokenBatch.masks_BT`);
             a loss that trains on one of them (``token_mask``) is refused by the others.
         eval_history: how evaluation shows past turns when ``run.eval_history`` is ``auto``.
+        pipelines: whether its steps take their episodes through
+            :func:`opd.algorithms.step.student_episodes`, so that ``run.async_steps: 1`` can play
+            the next step's while this one trains (refused for the others).
     """
 
     name: str
@@ -146,6 +213,7 @@ class Algorithm:
     uses_teacher: bool = True
     masks: tuple[str, ...] = ()
     eval_history: Literal["full", "state_grounded"] = "full"
+    pipelines: bool = False
 
 
 def require_groups(cfg: OPDConfig, source: str, name: str) -> None:

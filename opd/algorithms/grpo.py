@@ -15,15 +15,14 @@ One step, top to bottom:
 from __future__ import annotations
 
 from opd.algorithms.base import Algorithm, RunContext, require_groups
-from opd.algorithms.step import StepClock, build_token_batch, episode_metrics, step_tasks, train_and_sync
+from opd.algorithms.step import StepClock, build_token_batch, episode_metrics, student_episodes, train_and_sync
 from opd.schema import OPDConfig
 
 
 def train_step(ctx: RunContext, step: int) -> dict[str, float]:
     """Run one GRPO step."""
     clock = StepClock()
-    tasks, seed = step_tasks(ctx, step)
-    trajs, gen = ctx.workers.collect("student", ctx.env_factory, tasks, ctx.train_settings, seed)
+    trajs, gen = student_episodes(ctx, step)
     clock.lap("generation")
     ctx.episodes.train_sample(step, trajs)
     batch = build_token_batch(trajs, None, ctx.fmt.pad_id, ctx.fmt, ctx.cfg.rollout.group_size)
@@ -36,4 +35,4 @@ def check_config(cfg: OPDConfig, source: str) -> None:
     require_groups(cfg, source, "grpo")
 
 
-ALGORITHM = Algorithm("grpo", train_step, check_config, uses_teacher=False)
+ALGORITHM = Algorithm("grpo", train_step, check_config, uses_teacher=False, pipelines=True)

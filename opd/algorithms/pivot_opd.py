@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from opd.algorithms.base import Algorithm, PolicyHost, RunContext, require_groups
-from opd.algorithms.step import StepClock, build_token_batch, episode_metrics, step_tasks, train_and_sync
+from opd.algorithms.step import StepClock, build_token_batch, episode_metrics, step_tasks, student_episodes, train_and_sync
 from opd.chat import next_prompt_ids, render_context
 from opd.generation.base import SamplingParams, ScoreRequest, TokenScores
 from opd.schema import ConfigError, OPDConfig
@@ -236,7 +236,7 @@ def train_step(ctx: RunContext, step: int) -> dict[str, float]:
     cfg = ctx.cfg
     clock = StepClock()
     tasks, seed = step_tasks(ctx, step)
-    trajs, gen = ctx.workers.collect("student", ctx.env_factory, tasks, ctx.train_settings, seed)
+    trajs, gen = student_episodes(ctx, step)  # tasks' episodes (started a step ahead with run.async_steps: 1)
     clock.lap("generation")
     scores = ctx.workers.score(trajs, cfg.supervision)
     clock.lap("teacher_scoring")
@@ -279,4 +279,4 @@ def check_config(cfg: OPDConfig, source: str) -> None:
                           "cross_tokenizer (the top-k fields carry the self-teacher's recovery targets).")
 
 
-ALGORITHM = Algorithm("pivot_opd", train_step, check_config, masks=("pivot", "recovery"))
+ALGORITHM = Algorithm("pivot_opd", train_step, check_config, masks=("pivot", "recovery"), pipelines=True)

@@ -1,14 +1,14 @@
 """The pieces every algorithm's step shares, so that each algorithm file shows only its own.
 
-A step is: draw the step's tasks and seed (:func:`step_tasks`), collect episodes, have the teacher
+A step is: draw the step's tasks and seed (:func:`step_tasks`) and collect the student's episodes
+(:func:`student_episodes`, which may have started them during the previous step), have the teacher
 score them, build the :class:`opd.trajectory.TokenBatch`, train, sync the weights
 (:func:`train_and_sync`), and report what happened (:func:`episode_metrics`, :class:`StepClock`).
 The algorithms call these in their own order, with their own steps in between.
 
 Example:
     >>> clock = StepClock()  # doctest: +SKIP
-    >>> tasks, seed = step_tasks(ctx, step)  # doctest: +SKIP
-    >>> trajs, gen = ctx.workers.collect("student", ctx.env_factory, tasks, ctx.train_settings, seed)  # doctest: +SKIP
+    >>> trajs, gen = student_episodes(ctx, step)  # doctest: +SKIP
     >>> clock.lap("generation")  # doctest: +SKIP
     >>> metrics = train_and_sync(ctx, build_token_batch(trajs, None, ctx.fmt.pad_id, ctx.fmt), clock)  # doctest: +SKIP
     >>> return clock.finish(metrics)  # doctest: +SKIP
@@ -42,6 +42,19 @@ def sample_tasks(tasks: list[str], n: int, seed: int, step: int, group_size: int
 def step_seed(cfg: OPDConfig, step: int) -> int:
     """The sampling seed of step ``step``: a pure function of (run seed, step), as the tasks are."""
     return cfg.run.seed * 100003 + step
+
+
+def student_episodes(ctx: RunContext, step: int) -> tuple[list[Trajectory], dict[str, float]]:
+    """Step ``step``'s training episodes (its :func:`step_tasks`, played by the student) and their
+    generation figures. With ``run.async_steps: 1`` they were started during the previous step
+    (:class:`opd.algorithms.base.StepRollouts`), and this starts the next step's before
+    returning; the figures then also carry ``rollout/staleness`` (updates between the weights
+    that played them and the ones that train on them)."""
+    upcoming = step_tasks(ctx, step + 1) if ctx.rollouts.wants(step) else None
+    trajs, gen, staleness = ctx.rollouts.episodes(ctx, step, step_tasks(ctx, step), upcoming)
+    if ctx.rollouts.ahead:
+        gen = {**gen, "rollout/staleness": float(staleness)}
+    return trajs, gen
 
 
 def step_tasks(ctx: RunContext, step: int) -> tuple[list[str], int]:
@@ -115,13 +128,15 @@ def train_and_sync(ctx: RunContext, batch: TokenBatch, clock: StepClock) -> dict
     train_metrics = ctx.workers.train(batch)
     clock.lap("training")
     clock.record("weight_sync", ctx.workers.sync_weights()["weight_sync_s"])
+    ctx.rollouts.updates += 1
     return {k: v for k, v in train_metrics.items() if not k.startswith("time/")}
 
 
 def episode_metrics(trajs: list[Trajectory], gen: dict[str, float]) -> dict[str, float]:
     """What every algorithm logs about a step's episodes and their generation."""
     turns = [turn for t in trajs for turn in t.turns]
-    return {
+    stale = {"rollout/staleness": gen["rollout/staleness"]} if "rollout/staleness" in gen else {}
+    return stale | {
         "success": success_rate(trajs),
         "turns_per_episode": len(turns) / max(len(trajs), 1),
         "env_errors": float(sum(t.end_reason == "env_error" for t in trajs)),

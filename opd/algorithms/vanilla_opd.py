@@ -23,7 +23,7 @@ OPD does the same for the reverse-KL term.
 from __future__ import annotations
 
 from opd.algorithms.base import Algorithm, RunContext
-from opd.algorithms.step import (StepClock, build_token_batch, episode_metrics, step_tasks, teacher_metrics,
+from opd.algorithms.step import (StepClock, build_token_batch, episode_metrics, student_episodes, teacher_metrics,
                                  train_and_sync, with_reverse_kl_headline)
 from opd.trajectory import Trajectory
 
@@ -31,8 +31,7 @@ from opd.trajectory import Trajectory
 def train_step(ctx: RunContext, step: int) -> dict[str, float]:
     """Run one OPD step."""
     clock = StepClock()
-    tasks, seed = step_tasks(ctx, step)
-    trajs, gen = ctx.workers.collect("student", ctx.env_factory, tasks, ctx.train_settings, seed)
+    trajs, gen = student_episodes(ctx, step)
     clock.lap("generation")
     scores = ctx.workers.score(trajs, ctx.cfg.supervision)
     clock.lap("teacher_scoring")
@@ -58,4 +57,4 @@ def lockstep_decode_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     return {"rollout/decode_steps": float(steps), "rollout/decode_rows_mean": rows / max(steps, 1)}
 
 
-ALGORITHM = Algorithm("vanilla_opd", train_step)
+ALGORITHM = Algorithm("vanilla_opd", train_step, pipelines=True)

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from opd.optional import optional_module
+
 MAX_TERMS_SHOWN = 3  # loss terms on the progress line; the rest are in metrics.jsonl
 # The bar's columns before the status ("train", a bar rich may narrow to ~10, "3/10", elapsed,
 # remaining): a status longer than the terminal's width less this squeezes the times to "0:…".
@@ -163,9 +165,11 @@ def second_panel(records: list[dict[str, Any]]) -> tuple[str, str, dict[str, lis
 
 def write_report_plot(run_dir: Path) -> Path | None:
     """``report.png``: held-out success of student and teacher, and the reverse KL per token (or,
-    for losses that report none, each loss term) against steps."""
-    import matplotlib
-
+    for losses that report none, each loss term) against steps; None without matplotlib
+    (:mod:`opd.optional`) or with nothing to plot."""
+    matplotlib = optional_module("matplotlib", "report.png (opd report draws the curves without it)")
+    if matplotlib is None:
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

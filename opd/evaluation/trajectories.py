@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from opd.generation.base import TokenScores
+from opd.optional import optional_module
 from opd.trajectory import Trajectory
 
 EPISODE_COLUMNS = ("step", "kind", "episode", "task", "sample", "turn_budget", "success", "end_reason", "error",
@@ -175,9 +176,12 @@ class RunEpisodes:
         self.every = every
         self.episodes = episodes
         self.seconds = 0.0
+        # A bare machine without pyarrow trains on, without episode files (opd.optional).
+        self.enabled = optional_module("pyarrow.parquet", "the episode files trajectories/*.parquet",
+                                       "pyarrow") is not None
 
     def train_sample(self, step, trajs, scores=None, marks=None) -> None:
-        if not self.every or step % self.every:
+        if not self.enabled or not self.every or step % self.every:
             return
         start = time.perf_counter()
         n = self.episodes
@@ -186,6 +190,8 @@ class RunEpisodes:
         self.seconds += time.perf_counter() - start
 
     def evaluation(self, step, who, trajs) -> None:
+        if not self.enabled:
+            return
         write_episodes(self.dir / f"eval_{who}_step_{step}.parquet", episode_rows(trajs, self.tokenizers[who], step,
                                                                                   f"eval/{who}"))
 

@@ -1,4 +1,5 @@
-"""Reference trajectories for ActFirst: built once per recipe, stored as a ``datasets`` dataset.
+"""Reference trajectories for ActFirst: built once per recipe, stored as a ``datasets`` dataset
+(JSON lines where ``datasets`` is not installed).
 
 A reference is one episode on a training task: the actions taken and the observation each one
 led to. ActFirst's inverse-dynamics prompt shows the student the reference *next observation*,
@@ -53,6 +54,7 @@ from opd.schema import ConfigError
 REFERENCES_VERSION = 1
 COLUMNS = ("task", "actions", "observations", "success")
 META_FILE = "opd_references.json"
+LINES_FILE = "references.jsonl"  # the stored references where `datasets` is not installed
 
 
 @dataclass(frozen=True)
@@ -108,13 +110,13 @@ def dataset_references(path: str) -> list[Reference]:
         ConfigError: naming ``actfirst.reference_dataset`` for a missing file, an unknown
             format or a missing column.
     """
-    import datasets
-
     location = Path(os.path.expanduser(path))
     key = "actfirst.reference_dataset"
     if not location.exists():
         raise ConfigError(f"key '{key}': {location} does not exist (see docs/actfirst.md for the format).")
     if location.is_dir():
+        import datasets
+
         records = datasets.load_from_disk(str(location)).to_list()
     elif location.suffix in (".jsonl", ".json"):
         lines = [line for line in location.read_text().splitlines() if line.strip()]
@@ -163,10 +165,19 @@ def to_dataset(references: list[Reference]):
 
 
 def save_references(directory: Path, references: list[Reference], meta: dict[str, Any]) -> None:
-    """Write ``references`` (and ``meta``) to ``directory`` atomically."""
+    """Write ``references`` (and ``meta``) to ``directory`` atomically: a ``datasets`` dataset,
+    or, where ``datasets`` is not installed (a bare machine, :mod:`opd.optional`), the same
+    columns as JSON lines in ``references.jsonl``."""
     from opd.models import save_directory_atomically
+    from opd.optional import optional_module
 
-    import datasets
+    datasets = optional_module("datasets", "the references' datasets format (they are stored as JSON lines)")
+
+    def write_lines(tmp: Path) -> None:
+        lines = (json.dumps({"task": r.task, "actions": list(r.actions), "observations": list(r.observations),
+                             "success": r.success}) for r in references)
+        (tmp / LINES_FILE).write_text("".join(line + "\n" for line in lines))
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
 
     def write(tmp: Path) -> None:
         bars = datasets.is_progress_bar_enabled()
@@ -179,12 +190,20 @@ def save_references(directory: Path, references: list[Reference], meta: dict[str
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
 
     directory.parent.mkdir(parents=True, exist_ok=True)
-    save_directory_atomically(directory, write)
+    save_directory_atomically(directory, write if datasets is not None else write_lines)
 
 
 def read_references(directory: Path, tasks: list[str] | None = None) -> dict[str, Reference]:
     """task -> reference from a stored directory (the first row of each task), optionally only
     for ``tasks`` (the dataset is memory-mapped: picking a few rows is cheap)."""
+    if (Path(directory) / LINES_FILE).is_file():  # written without datasets (save_references)
+        lines = (Path(directory) / LINES_FILE).read_text().splitlines()
+        found: dict[str, Reference] = {}
+        for record in (json.loads(line) for line in lines if line.strip()):
+            if (tasks is None or record["task"] in tasks) and record["task"] not in found:
+                found[record["task"]] = Reference(record["task"], tuple(record["actions"]),
+                                                  tuple(record["observations"]), bool(record["success"]))
+        return found
     import datasets
 
     data = datasets.load_from_disk(str(directory))

@@ -168,6 +168,10 @@ class RayWorkers:
         role, host = self._host(who)
         return self._await(host.collect.remote(env_factory, tasks, settings, seed), role, "collect")
 
+    def collect_later(self, who: Role, env_factory, tasks: list[str], settings, seed: int) -> "_InFlight":
+        role, host = self._host(who)
+        return _InFlight(self, host.collect.remote(env_factory, tasks, settings, seed), role, "collect")
+
     def score(self, trajs: list[Trajectory], supervision: Any) -> list:
         return self._await(self.teacher.score.remote(trajs, supervision), "teacher", "score")
 
@@ -191,6 +195,20 @@ class RayWorkers:
 
     def load_checkpoint(self, directory: str) -> None:
         self._await(self.trainer.load_checkpoint.remote(directory), "trainer", "load_checkpoint")
+
+
+@dataclass
+class _InFlight:
+    """An actor call started by :meth:`RayWorkers.collect_later`; ``result()`` waits for it as
+    every call is waited for (bounded, its failure naming the role)."""
+
+    workers: RayWorkers
+    ref: Any
+    role: str
+    call: str
+
+    def result(self) -> Any:
+        return self.workers._await(self.ref, self.role, self.call)
 
 
 def _plain(text: str) -> str:

@@ -38,7 +38,8 @@ __all__ = ["RESUMABLE_KEYS", "MetricsLog", "RunError", "recipe_changes", "train"
 RESUMABLE_KEYS = ("run.total_steps", "run.eval_every_steps", "run.save_every_steps", "run.keep_checkpoints",
                   "run.output_dir", "run.trajectory_every_steps", "run.trajectory_episodes",
                   "resources.actor_timeout_s", "logging.wandb_project", "logging.wandb_mode", "logging.mlflow",
-                  "run.backend")  # the same run on Ray or in one process (resume a step under pdb)
+                  "run.backend",  # the same run on Ray or in one process (resume a step under pdb)
+                  "run.async_steps")  # overlap or not: the resumed step rolls out with the checkpoint's weights either way
 
 
 class MetricsLog:
@@ -77,7 +78,7 @@ def _line_step(line: str) -> int:
 def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]:
     """Run the recipe; returns the summary (also written to ``summary.json``)."""
     from opd.algorithms import get_algorithm
-    from opd.algorithms.base import RunContext
+    from opd.algorithms.base import RunContext, StepRollouts
     from opd.chat import ChatFormat
     from opd.envs import EnvFactory
     from opd.evaluation.heldout import evaluate
@@ -141,7 +142,8 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
     ctx = RunContext(cfg, workers, env_factory, train_tasks, eval_tasks,
                      episode_settings(cfg, cfg.rollout.temperature), episode_settings(cfg, 0.0, cfg.run.eval_history), fmt,
                      RunEpisodes(run_dir, {"student": student_tok, "teacher": teacher_tok},
-                                 cfg.run.trajectory_every_steps, cfg.run.trajectory_episodes))
+                                 cfg.run.trajectory_every_steps, cfg.run.trajectory_episodes),
+                     StepRollouts(cfg.run.async_steps, cfg.run.total_steps))
     algorithm = get_algorithm(cfg.algorithm)
 
     state: dict[str, Any] = {"step": 0, "train_time_s": 0.0, "evals": []}

@@ -3,7 +3,8 @@
 The same algorithms, loop and evaluation as the Ray backend (:mod:`opd.runtime.actors`), over
 plain instances of the same classes: :class:`~opd.runtime.actors.TeacherWorker`,
 :class:`~opd.runtime.actors.RolloutWorker` and :class:`opd.training.trainer.StudentTrainer`
-(DeepSpeed on one rank, its group met over a file). Every call is a Python call, so a
+(DeepSpeed on one rank, its group met over a file; or, with ``trainer.engine: torch``, plain
+PyTorch, so that a machine with only torch and transformers trains). Every call is a Python call, so a
 ``breakpoint()`` in a loss, an environment or an algorithm stops in the ``opd`` process, and
 ``python -m pdb $(which opd) train RECIPE run.backend=local`` steps through a whole step. It also
 runs where Ray is not installed: nothing on this path imports ``ray``.
@@ -19,6 +20,9 @@ What differs from the Ray backend, and why:
   last checkpoint intact).
 - **Weight sync in memory.** The trainer's exported weights go straight to the rollout engine,
   which copies them into its live model in place; no object store, no serialisation.
+- **Nothing overlaps.** With ``run.async_steps: 1`` the next step's rollout is played when the
+  loop starts it (:meth:`LocalWorkers.collect_later`), on the same weights Ray's rollout actor
+  would use while the teacher and trainer work: the same run, without the overlap.
 - **Arguments are shared, not copied.** Ray pickles what crosses to an actor; here a role gets
   the caller's objects. The roles treat their inputs as read-only, so results are the same (a
   test compares the first steps of both backends).
@@ -70,6 +74,11 @@ class LocalWorkers:
         role, host = self._host(who)
         return self._call(role, "collect", host.collect, env_factory, tasks, settings, seed)
 
+    def collect_later(self, who: Role, env_factory, tasks: list[str], settings, seed: int) -> "_Done":
+        """Played now: one process has nothing to overlap it with, so the pipelined loop runs
+        its steps in the same order on the same weights as on Ray, one role after another."""
+        return _Done(self.collect(who, env_factory, tasks, settings, seed))
+
     def score(self, trajs: list[Trajectory], supervision: Any) -> list:
         return self._call("teacher", "score", self.teacher.score, trajs, supervision)
 
@@ -95,19 +104,30 @@ class LocalWorkers:
         self._call("trainer", "load_checkpoint", self.trainer.load_checkpoint, directory)
 
 
+@dataclass
+class _Done:
+    """A call the local backend has already made (:meth:`LocalWorkers.collect_later`)."""
+
+    value: Any
+
+    def result(self) -> Any:
+        return self.value
+
+
 def spawn_local_workers(cfg: Any, student_path: str, teacher_path: str) -> LocalWorkers:
     """The teacher, rollout worker and trainer of :func:`opd.runtime.actors.spawn_workers`, built
     in this process with the same arguments.
 
     Raises:
-        RunError: DeepSpeed is not installed (the trainer needs it on either backend).
+        RunError: ``trainer.engine`` is ``deepspeed`` and DeepSpeed is not installed.
     """
-    try:
-        importlib.import_module("deepspeed")
-    except ImportError as exc:
-        raise RunError(f"run.backend: local trains the student with DeepSpeed, as the Ray backend does, and it "
-                       f"cannot be imported here ({exc}): pip install deepspeed (on CPU it needs no compiler). "
-                       "Ray is not needed.", resumable=False) from None
+    if cfg.trainer.engine == "deepspeed":
+        try:
+            importlib.import_module("deepspeed")
+        except ImportError as exc:
+            raise RunError(f"trainer.engine: deepspeed, and DeepSpeed cannot be imported here ({exc}): set "
+                           "trainer.engine=torch (plain PyTorch, one rank) or pip install deepspeed (on CPU it needs "
+                           "no compiler). Ray is not needed.", resumable=False) from None
     import torch
 
     from opd.training.trainer import StudentTrainer

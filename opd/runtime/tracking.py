@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from opd.config import flatten, to_yaml
+from opd.optional import optional_module
 from opd.schema import ConfigError
 from opd.training.checkpoint import atomic_write_text
 
@@ -76,9 +77,9 @@ class Trackers:
         wandb, mlflow_tracking = require_backends(cfg)  # before any file is written
         ids = _read_ids(self.run_dir) if resumed_step is not None else {}
 
-        from torch.utils.tensorboard import SummaryWriter
-
-        self._tb = SummaryWriter(str(self.run_dir / "tb"))
+        tensorboard = optional_module("torch.utils.tensorboard", "the tb/ event files (metrics.jsonl has every value)",
+                                      "tensorboard")
+        self._tb = tensorboard.SummaryWriter(str(self.run_dir / "tb")) if tensorboard is not None else None
         try:
             if wandb is not None:
                 ids["wandb"] = ids.get("wandb") or uuid.uuid4().hex[:12]
@@ -102,9 +103,10 @@ class Trackers:
         values = scalars(record)
         if not values:
             return
-        for key, value in values.items():
-            self._tb.add_scalar(key, value, step)
-        self._tb.flush()
+        if self._tb is not None:
+            for key, value in values.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
         if self._wandb_run is not None:
             try:
                 self._wandb_run.log(values, step=step)
@@ -125,7 +127,8 @@ class Trackers:
         if self._closed:
             return
         self._closed = True
-        self._tb.close()
+        if self._tb is not None:
+            self._tb.close()
         if self._wandb_run is not None:
             if summary:
                 self._wandb_run.summary.update(json.loads(json.dumps(summary, default=str)))

@@ -1,5 +1,6 @@
-"""The student trainer: a DeepSpeed engine over the student model, the recipe's losses, exact
-checkpoints and a safetensors HF export.
+"""The student trainer: a DeepSpeed engine (or, with ``trainer.engine: torch``, the plain-PyTorch
+:class:`~opd.training.torch_engine.TorchEngine` on one rank) over the student model, the recipe's
+losses, exact checkpoints and a safetensors HF export.
 
 On CPU DeepSpeed runs with its CPU accelerator and the gloo backend, one rank per trainer; on
 GPU the same code gets the CUDA accelerator and NCCL. The optimizer is torch's AdamW handed to
@@ -45,6 +46,7 @@ import torch
 from opd.generation.packed import causal_forward, packed_forward
 from opd.losses import combined_loss, needs_reference, resolve_loss
 from opd.training.checkpoint import CheckpointError, check_pickles, safe_torch_load
+from opd.training.torch_engine import TorchEngine
 from opd.models import load_model, load_tokenizer, save_model
 from opd.trajectory import TokenBatch
 
@@ -104,6 +106,8 @@ class _FinalHiddenStates:
         self.model = model  # the DeepSpeed engine or the HF model: the call goes through its forward
         self.module = getattr(model, "module", model)  # what packed reads the config from
         self.head = self.module.get_output_embeddings()
+        # The torch engine's bfloat16 autocast: the head applied by hand must run in it as well.
+        self.autocast = getattr(model, "autocast", contextlib.nullcontext)
         self.ok = False
 
     def __call__(self, **inputs):
@@ -123,7 +127,7 @@ class _FinalHiddenStates:
             hook.remove()
         hidden_BLH = captured[-1] if captured else None
         if hidden_BLH is not None and isinstance(self.head, torch.nn.Linear):
-            with torch.no_grad():  # padding positions may hold NaN (a query that sees no key)
+            with torch.no_grad(), self.autocast():  # padding positions may hold NaN (a query that sees no key)
                 self.ok = torch.allclose(self.head(hidden_BLH[:, -1:]).float(), logits_B1V.float(), rtol=1e-4,
                                          atol=1e-4, equal_nan=True)
         return SimpleNamespace(logits=hidden_BLH if self.ok else placeholder_BL1)
@@ -160,7 +164,9 @@ def student_logprobs_at(model, batch: TokenBatch, positions_BT: torch.Tensor, te
         return picked_BT, torch.where(positions_BT[..., None], full_BTV, 0.0) if full_vocab else None
     # A trained token's predictor is the position just before it in the row (packed rows too).
     b_N, t_N = positions_BT.nonzero(as_tuple=True)
-    logp_NV = torch.log_softmax(stand_in.head(hidden_BTH[b_N, t_N - 1]).float() / temperature, dim=-1)
+    with stand_in.autocast():
+        logits_NV = stand_in.head(hidden_BTH[b_N, t_N - 1])
+    logp_NV = torch.log_softmax(logits_NV.float() / temperature, dim=-1)
     picked_N = logp_NV.gather(1, batch.input_ids_BT[b_N, t_N][:, None]).squeeze(1)
     picked_BT = logp_NV.new_zeros(positions_BT.shape).index_put((b_N, t_N), picked_N)
     if not full_vocab:
@@ -260,61 +266,78 @@ def accumulate_metrics(sums: dict[str, float], weights: dict[str, float], metric
 
 
 class StudentTrainer:
-    """Owns the DeepSpeed engine. Plain class; :mod:`opd.runtime.actors` hosts it in Ray."""
+    """Owns the training engine (DeepSpeed's, or :class:`~opd.training.torch_engine.TorchEngine`).
+    Plain class; :mod:`opd.runtime.actors` hosts it in Ray, :mod:`opd.runtime.local` in the driver."""
 
     def __init__(self, trainer_cfg: Any, loss_terms: list[tuple[str, float, dict]], model_dir: str,
                  episodes_per_step: int, dtype: str = "float32", trust_remote_code: bool = False,
                  torch_threads: int = 0, total_steps: int = 1, temperature: float = 1.0):
-        import deepspeed
-
         torch.set_num_threads(max(1, torch_threads or os.cpu_count() or 1))
-        init_single_rank_distributed()
+        self.engine_kind = str(getattr(trainer_cfg, "engine", "deepspeed"))
         self.loss_terms = loss_terms
         self.temperature = temperature if temperature > 0 else 1.0  # greedy rollouts score at 1
         self.micro_batch_size = int(trainer_cfg.micro_batch_size)
         self.micro_batch_tokens = int(trainer_cfg.micro_batch_tokens)
         self.tokenizer = load_tokenizer(model_dir, trust_remote_code)
-        model = load_model(model_dir, dtype=dtype, trust_remote_code=trust_remote_code).train()
+        # The torch engine keeps float32 weights and runs bfloat16 under autocast (see its module).
+        weights_dtype = "float32" if self.engine_kind == "torch" else dtype
+        model = load_model(model_dir, dtype=weights_dtype, trust_remote_code=trust_remote_code).train()
         optimizer = adamw(list(model.parameters()), lr=float(trainer_cfg.learning_rate),
                           betas=(float(trainer_cfg.adam_beta1), float(trainer_cfg.adam_beta2)),
                           weight_decay=float(trainer_cfg.weight_decay))
-        # The scheduler lives in DeepSpeed's checkpoint, so a resumed run continues its schedule.
+        # The scheduler lives in the engine's checkpoint, so a resumed run continues its schedule.
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(
             trainer_cfg.warmup_steps, total_steps, trainer_cfg.lr_schedule, trainer_cfg.min_lr_ratio))
-        ds_config = {
-            "train_batch_size": episodes_per_step,
-            "train_micro_batch_size_per_gpu": self.micro_batch_size,
-            "gradient_accumulation_steps": episodes_per_step // self.micro_batch_size,
-            "gradient_clipping": float(trainer_cfg.grad_clip_norm),
-            "zero_optimization": {"stage": int(trainer_cfg.zero_stage)},
-            "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10**9,
-            "wall_clock_breakdown": False,
-        }
-        if dtype == "bfloat16":
-            ds_config["bf16"] = {"enabled": True}
-            if not torch.cuda.is_available() and not cpu_has_bf16_kernels():
-                log.warning("student.dtype=bfloat16 on a CPU without oneDNN's bfloat16 matmul kernels (no AVX-512): "
-                            "its matrix products take a slow path (about 10x float32's here); float32 is faster "
-                            "(docs/performance.md)")
+        if dtype == "bfloat16" and not torch.cuda.is_available() and not cpu_has_bf16_kernels():
+            log.warning("student.dtype=bfloat16 on a CPU without oneDNN's bfloat16 matmul kernels (no AVX-512): "
+                        "its matrix products take a slow path (about 10x float32's here); float32 is faster "
+                        "(docs/performance.md)")
         # A loss anchored to the starting weights (reference_kl) gets their logprobs from a
         # frozen copy; a resumed run still loads the starting weights here, not the checkpoint's.
         self.reference = None
         if needs_reference(loss_terms):
             self.reference = load_model(model_dir, dtype=dtype, trust_remote_code=trust_remote_code).eval()
             self.reference.requires_grad_(False)
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                                    config=ds_config)
+        accumulation_steps = episodes_per_step // self.micro_batch_size
+        self.zero_stage = int(trainer_cfg.zero_stage)
+        if self.engine_kind == "torch":
+            self.zero_stage = 0  # one rank holds everything: ZeRO has nothing to partition
+            self.engine = TorchEngine(model, optimizer, scheduler, accumulation_steps, trainer_cfg.grad_clip_norm,
+                                      autocast_dtype=torch.bfloat16 if dtype == "bfloat16" else None)
+        else:
+            self.engine = self._deepspeed_engine(model, optimizer, scheduler, episodes_per_step, accumulation_steps,
+                                                 trainer_cfg, dtype)
         if self.reference is not None:
             self.reference.to(self.engine.device)
-        self.zero_stage = int(trainer_cfg.zero_stage)
+        self.gather_logprobs = reads_trained_positions_only(loss_terms)
+        self.steps = 0
+
+    def _deepspeed_engine(self, model, optimizer, scheduler, episodes_per_step: int, accumulation_steps: int,
+                          trainer_cfg: Any, dtype: str):
+        """DeepSpeed's engine over ``model`` on a one-rank group (gloo on CPU, NCCL on GPU)."""
+        import deepspeed
+
+        init_single_rank_distributed()
+        ds_config = {
+            "train_batch_size": episodes_per_step,
+            "train_micro_batch_size_per_gpu": self.micro_batch_size,
+            "gradient_accumulation_steps": accumulation_steps,
+            "gradient_clipping": float(trainer_cfg.grad_clip_norm),
+            "zero_optimization": {"stage": self.zero_stage},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        if dtype == "bfloat16":
+            ds_config["bf16"] = {"enabled": True}
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=ds_config)
         if self.zero_stage == 0 and torch.distributed.get_world_size() == 1:
             # Stage 0 reduces every gradient at the boundary: a flatten and a copy back of the whole
             # model for a sum over one rank. (ZeRO 1-3 move the gradients into their partitions as
             # they reduce, so they keep it.)
-            self.engine.enable_backward_allreduce = False
-        self.gather_logprobs = reads_trained_positions_only(loss_terms)
-        self.steps = 0
+            engine.enable_backward_allreduce = False
+        return engine
 
     def _student_logprobs(self, model, micro: TokenBatch, full_vocab: bool = True):
         """``model``'s logprobs on ``micro``: where the losses read them (see the module
@@ -384,27 +407,47 @@ class StudentTrainer:
             return {k: v.detach().cpu().clone() for k, v in self.engine.module.state_dict().items()}
 
     # -- checkpoints ------------------------------------------------------------------------
+    @property
+    def state_dirname(self) -> str:
+        """The checkpoint's subdirectory for the engine's state: ``ds`` (DeepSpeed) or ``torch``."""
+        return "torch" if self.engine_kind == "torch" else "ds"
+
     def save_checkpoint(self, directory: str) -> None:
-        """DeepSpeed state (weights, optimizer, scheduler) under ``ds/`` and an HF export under
-        ``hf/`` (safetensors). The caller makes the directory's appearance atomic."""
+        """The engine's state (weights, optimizer, scheduler) under ``ds/`` (DeepSpeed) or
+        ``torch/`` (safetensors and JSON), and an HF export under ``hf/`` (safetensors). The
+        caller makes the directory's appearance atomic."""
         directory = Path(directory)
-        self.engine.save_checkpoint(str(directory / "ds"), tag="state", client_state={"steps": self.steps})
+        self.engine.save_checkpoint(str(directory / self.state_dirname), tag="state", client_state={"steps": self.steps})
         with self._full_parameters():
             save_model(self.engine.module, self.tokenizer, directory / "hf")
 
     def load_checkpoint(self, directory: str) -> None:
-        """Load ``directory``'s DeepSpeed state with no pickled code run: every file is opened
-        weights-only against an allow-list first (:func:`opd.training.checkpoint.check_pickles`),
-        and DeepSpeed's own loads are forced weights-only too.
+        """Load ``directory``'s engine state with no pickled code run: every DeepSpeed file is
+        opened weights-only against an allow-list first (:func:`opd.training.checkpoint.check_pickles`),
+        and DeepSpeed's own loads are forced weights-only too; the torch engine's state has no
+        pickles at all.
 
         Raises:
             CheckpointError: a file holds something other than tensors and DeepSpeed's data
-                classes, or is unreadable; the engine is left as it was.
+                classes, or is unreadable, or the checkpoint was written by the other engine; the
+                engine is left as it was.
         """
-        ds_dir = Path(directory) / "ds"
-        check_pickles(ds_dir)
-        with safe_torch_load():
-            path, client = self.engine.load_checkpoint(str(ds_dir), tag="state")
+        state_dir = Path(directory) / self.state_dirname
+        other = Path(directory) / ("ds" if self.state_dirname == "torch" else "torch")
+        if not state_dir.is_dir() and other.is_dir():
+            written_by = "deepspeed" if other.name == "ds" else "torch"
+            raise CheckpointError(f"{directory}: this checkpoint was written with trainer.engine={written_by} and the "
+                                  f"recipe says trainer.engine={self.engine_kind}; resume with "
+                                  f"trainer.engine={written_by}")
+        if self.engine_kind == "torch":
+            try:
+                path, client = self.engine.load_checkpoint(str(state_dir), tag="state")
+            except (OSError, ValueError, KeyError) as exc:
+                raise CheckpointError(f"{state_dir}: unreadable torch-engine state ({type(exc).__name__}: {exc})") from exc
+        else:
+            check_pickles(state_dir)
+            with safe_torch_load():
+                path, client = self.engine.load_checkpoint(str(state_dir), tag="state")
         if path is None:
-            raise CheckpointError(f"{ds_dir}: DeepSpeed found no state to load (tag 'state')")
+            raise CheckpointError(f"{state_dir}: the {self.engine_kind} engine found no state to load (tag 'state')")
         self.steps = int((client or {}).get("steps", 0))

@@ -5,12 +5,19 @@ installed; the Ray run of the same recipe happens here. Both run the same engine
 seeds, so their steps, evaluations and checkpointed weights must agree to the last bit; only
 timings differ. A Ray run's checkpoint then resumes on the local backend and repeats its last
 step exactly.
+
+``trainer.engine: torch`` (:mod:`opd.training.torch_engine`) runs in a child where neither Ray nor
+DeepSpeed nor vLLM imports, nor the packages a run can do without (:mod:`opd.optional`), as on a
+machine with only torch, transformers and small pure-Python packages: its steps must match the
+DeepSpeed engine's to float rounding (the same AdamW and clip, summed in another order), and its
+own checkpoint resumes exactly.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -22,10 +29,14 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "data" / "tiny.yaml"
 
-# Run in the child: Ray refused at import, then `opd train` on the local backend.
+# Run in the child: Ray refused at import (each attempt recorded), the packages named in
+# OPD_TEST_REFUSE made absent (find_spec answers None and an import fails, as for a package that
+# is not installed), then `opd train` on the local backend.
 NO_RAY_CHILD = """
-import json, sys
+import json, os, sys
 refused = []
+for name in os.environ.get("OPD_TEST_REFUSE", "").split():
+    sys.modules[name] = None
 class NoRay:
     @staticmethod
     def find_spec(name, path=None, target=None):
@@ -38,6 +49,11 @@ from opd.cli import main
 rc = main(["train", *sys.argv[1:]])
 print("RESULT " + json.dumps({"rc": rc, "refused": refused, "ray_loaded": "ray" in sys.modules}))
 """
+
+
+# What a bare GPU machine lacks (scripts/gpu_check.py's case): binary packages beyond torch's and
+# transformers' own.
+BARE = "deepspeed vllm pyarrow matplotlib tensorboard datasets pandas psutil mlflow wandb scipy"
 
 
 def _args(run_dir: Path, cache: Path, *extra: str) -> list[str]:
@@ -76,12 +92,24 @@ def cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory, cache) -> tuple[Path, dict]:
-    run_dir = tmp_path_factory.mktemp("local") / "run"
-    proc = subprocess.run([sys.executable, "-c", NO_RAY_CHILD, *_args(run_dir, cache, "run.backend=local")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return _child_run(tmp_path_factory.mktemp("local") / "run", cache, "", "run.backend=local")
+
+
+def _child_run(run_dir: Path, cache: Path, refuse: str, *extra: str) -> tuple[Path, dict]:
+    env = {**os.environ, "OPD_TEST_REFUSE": refuse}
+    proc = subprocess.run([sys.executable, "-c", NO_RAY_CHILD, *_args(run_dir, cache, *extra)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_dir, json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def torch_engine_run(tmp_path_factory, cache, local_run) -> tuple[Path, dict]:
+    """The local run again with trainer.engine=torch where neither Ray nor DeepSpeed imports
+    (after local_run, which builds the bootstrap cache)."""
+    return _child_run(tmp_path_factory.mktemp("torch") / "run", cache, BARE, "run.backend=local",
+                      "trainer.engine=torch")
 
 
 @pytest.fixture(scope="module")
@@ -145,5 +173,42 @@ def test_local_backend_without_deepspeed_says_what_to_install(monkeypatch, tmp_p
 
     cfg = load_config(TINY, [f"run.output_dir={tmp_path / 'run'}", "run.backend=local"])
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` now fails, as when it is absent
-    with pytest.raises(RunError, match=r"run.backend: local trains the student with DeepSpeed.*pip install deepspeed"):
+    with pytest.raises(RunError, match=r"trainer.engine: deepspeed.*set trainer.engine=torch.*pip install deepspeed"):
         spawn_local_workers(cfg, "no-student", "no-teacher")
+
+
+def test_the_torch_engine_trains_without_ray_or_deepspeed_as_deepspeed_does(torch_engine_run, local_run):
+    (run_dir, result), deepspeed_dir = torch_engine_run, local_run[0]
+    assert result["rc"] == 0 and not result["ray_loaded"]
+    assert not (run_dir / "tb").exists() and not (run_dir / "trajectories").exists()  # skipped, as said
+    a, b = _records(run_dir), _records(deepspeed_dir)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 2]
+    for ra, rb in zip(a, b):
+        keys = {k for k in rb if not _timing(k)}
+        assert keys == {k for k in ra if not _timing(k)}, ra.keys() ^ rb.keys()
+        for key in sorted(keys):  # the same update to float rounding (sums in another order)
+            assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), (ra["step"], key, ra[key], rb[key])
+    assert a[1]["loss"] == b[1]["loss"] and a[1]["grad_norm"] == pytest.approx(b[1]["grad_norm"], rel=1e-6)
+    step = run_dir / "checkpoints" / "step_2"
+    assert sorted(p.name for p in (step / "torch" / "state").iterdir()) == ["model.safetensors",
+                                                                          "optimizer.safetensors", "state.json"]
+    assert not (step / "ds").exists() and not list(step.rglob("*.pt"))  # nothing pickled
+    from safetensors.torch import load_file
+
+    wa = load_file(step / "hf" / "model.safetensors")
+    wb = load_file(deepspeed_dir / "checkpoints" / "step_2" / "hf" / "model.safetensors")
+    assert wa.keys() == wb.keys() and max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+
+
+def test_the_torch_engine_resumes_its_own_checkpoint_exactly(torch_engine_run, cache, tmp_path):
+    from opd.cli import main
+
+    original = torch_engine_run[0]
+    run_dir = tmp_path / "run"
+    shutil.copytree(original, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_2")
+    assert main(["train", *_args(run_dir, cache, "run.backend=local", "trainer.engine=torch"), "--resume"]) == 0
+    a, b = _records(run_dir), _records(original)
+    for ra, rb in zip(a[2:], b[2:]):
+        _assert_same_record(ra, rb)
+    _assert_same_weights(run_dir / "checkpoints" / "step_2", original / "checkpoints" / "step_2")

@@ -36,10 +36,16 @@ def test_expert_reference_replays_to_the_same_observations():
     assert not expert_reference(short, task, seed=0).success  # truncated before the goal
 
 
-def test_save_and_read_roundtrip(tmp_path):
+@pytest.mark.parametrize("datasets_installed", [True, False], ids=["datasets", "json-lines"])
+def test_save_and_read_roundtrip(tmp_path, monkeypatch, datasets_installed):
+    import sys
+
+    if not datasets_installed:  # a bare machine (opd.optional): stored as JSON lines instead
+        monkeypatch.setitem(sys.modules, "datasets", None)
     refs = [Reference("a", ("down", "right"), ("o1", "o2\nline"), True), Reference("b", (), (), False),
             Reference("a", ("up",), ("other",), True)]
     save_references(tmp_path / "refs", refs, {"note": 1})
+    assert (tmp_path / "refs" / "references.jsonl").is_file() is not datasets_installed
     assert json.loads((tmp_path / "refs" / META_FILE).read_text()) == {"note": 1}
     assert not list(tmp_path.glob(".partial-*"))
     back = read_references(tmp_path / "refs")
