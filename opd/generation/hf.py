@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from opd.generation.base import Completion, SamplingParams, ScoreRequest, TokenScores, scores_from_logprobs
 from opd.generation.hf_stream import HFStream
 from opd.generation.kv_cache import PrefixCache, kv_cache, kv_layers
-from opd.generation.packed import packed_forward
+from opd.generation.packed import causal_forward, packed_forward
 from opd.models import load_model, load_tokenizer
 from opd.trajectory import length_groups
 
@@ -216,7 +216,11 @@ class HFEngine:
             pos_BL[i, :n] = torch.tensor(r.position_ids)
             branch_BL[i, :n] = torch.tensor(r.branch_ids)
             valid_BL[i, :n] = True
-        logits_BLV = packed_forward(self.model, ids_BL.to(self.device), pos_BL, branch_BL, valid_BL)
+        plain = not branch_BL.any() and torch.equal(pos_BL, torch.arange(L).expand(B, L) * valid_BL)
+        if plain:  # no branches (single-turn rows, the full view): one causal forward, no packed layout
+            logits_BLV = causal_forward(self.model, ids_BL.to(self.device), valid_BL)
+        else:
+            logits_BLV = packed_forward(self.model, ids_BL.to(self.device), pos_BL, branch_BL, valid_BL)
         results = []
         for i, r in enumerate(requests):
             source = torch.tensor(r.source_index, dtype=torch.long, device=self.device)
