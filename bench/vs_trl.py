@@ -6,6 +6,9 @@ side, timed in the same run.
     .venv/bin/python bench/vs_trl.py --steps 5 --rounds 1 --backends ray   # a quick look
     .venv/bin/python bench/vs_trl.py rollout.episodes_per_step=64          # overrides reach both
 
+    .venv/bin/python bench/vs_trl.py teacher.bootstrap.tokenizer=smollm2 student.bootstrap.tokenizer=smollm2 \
+        supervision.scoring=sampled losses.0.args.estimator=sampled    # a real vocabulary, opd's sampled estimator
+
 What runs: ``recipes/prompt_dataset.yaml`` (the arithmetic prompt dataset, a tiny Qwen3 teacher
 and student built once by the cached bootstrap) with opd's ``vanilla_opd`` and the exact
 full-vocabulary ``reverse_kl``, which is GKD with lambda = 1 (every sequence the student's own
@@ -14,7 +17,9 @@ the very same two model directories. Both get, from the recipe:
 
 - the same prompts in the same order: step ``s``'s tasks are opd's ``sample_tasks(seed, s)``; TRL
   reads them from a dataset in that order (``train_sampling_strategy="sequential"``), as chat
-  messages its collator renders to the same prompt ids (checked, ``prompt_ids_match``);
+  messages its collator renders to the same prompt ids (checked, ``prompt_ids_match``; a tokenizer
+  whose chat template renders them otherwise, as SmolLM2's adds a default system message, gets
+  plain ChatML, ``chat_template_replaced``, and the timing is refused if they still differ);
 - the batch (``per_device_train_batch_size`` = ``rollout.episodes_per_step``, one optimizer step
   each, no accumulation), the new-token budget, the sampling temperature, the learning rate
   (constant for both: the bench sets opd's ``trainer.warmup_steps=0`` and
@@ -72,6 +77,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_OVERRIDES = ("trainer.warmup_steps=0", "trainer.lr_schedule=constant", "run.eval_every_steps=0",
                     "run.eval_episodes=8", "run.save_every_steps=0", "run.trajectory_every_steps=0")
 TOLERANCE = 1e-4  # |opd - TRL| on the loss check
+# ChatML as opd renders a first prompt (opd.chat.first_prompt_ids): given to TRL's tokenizer when its
+# own template renders the prompts otherwise (SmolLM2's adds a default system message).
+PLAIN_CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                "{% endif %}")
 
 
 # -- what both frameworks get ---------------------------------------------------------------------
@@ -86,10 +96,12 @@ def shared_settings(recipe: str, overrides: list[str], steps: int, threads: int)
     cfg = load_config(recipe, [*SHARED_OVERRIDES, *overrides, f"run.total_steps={steps}",
                                f"resources.torch_threads={threads}"])
     terms = [(t.name, t.args.get("estimator")) for t in cfg.losses]
-    if cfg.algorithm != "vanilla_opd" or terms != [("reverse_kl", "full")]:
-        raise SystemExit("the bench compares vanilla_opd with the one loss reverse_kl (estimator: full), GKD's "
-                         f"beta = 1; {recipe} with {overrides} has algorithm {cfg.algorithm!r} and losses "
-                         f"{[t.name for t in cfg.losses]}")
+    # full: GKD's exact loss; sampled (with supervision.scoring: sampled): the same reverse KL estimated
+    # from the sampled token, opd's choice for a real vocabulary (a row of its own, not GKD's loss).
+    if cfg.algorithm != "vanilla_opd" or terms not in ([("reverse_kl", "full")], [("reverse_kl", "sampled")]):
+        raise SystemExit("the bench compares vanilla_opd with the one loss reverse_kl (estimator: full, GKD's "
+                         f"beta = 1, or sampled); {recipe} with {overrides} has algorithm {cfg.algorithm!r} and "
+                         f"losses {terms}")
     if cfg.env.id != "opd/PromptDataset-v0" or cfg.rollout.system_prompt:
         raise SystemExit("TRL's GKDTrainer trains on single-turn prompts: the bench needs env.id "
                          f"opd/PromptDataset-v0 (got {cfg.env.id!r}) and no rollout.system_prompt")
@@ -108,7 +120,7 @@ def shared_settings(recipe: str, overrides: list[str], steps: int, threads: int)
                                           {"role": "assistant", "content": str(info.get("expert_action") or "")}]})
     env.close()
     t, r = cfg.trainer, cfg.rollout
-    spec = {"student_path": student_path, "teacher_path": teacher_path, "steps": steps, "threads": threads,
+    spec = {"opd_estimator": terms[0][1], "student_path": student_path, "teacher_path": teacher_path, "steps": steps, "threads": threads,
             "batch_size": r.episodes_per_step, "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
             "learning_rate": t.learning_rate, "weight_decay": t.weight_decay, "adam_beta1": t.adam_beta1,
             "adam_beta2": t.adam_beta2, "max_grad_norm": t.grad_clip_norm, "seed": cfg.run.seed,
@@ -138,10 +150,20 @@ def trl_worker(spec_path: Path, out_path: Path) -> None:
 
     # The prompts TRL's collator builds must be the ids opd's rollout conditions on.
     fmt = ChatFormat.from_tokenizer(tokenizer)
-    collated = DataCollatorForChatML(tokenizer=tokenizer)(spec["examples"][: spec["batch_size"]])
-    mismatches = 0
-    for ids, mask, example in zip(collated["prompts"], collated["prompt_attention_mask"], spec["examples"]):
-        mismatches += ids[mask.bool()].tolist() != first_prompt_ids(fmt, tokenizer, example["messages"][0]["content"])
+
+    def count_mismatches() -> int:
+        collated = DataCollatorForChatML(tokenizer=tokenizer)(spec["examples"][: spec["batch_size"]])
+        return sum(ids[mask.bool()].tolist() != first_prompt_ids(fmt, tokenizer, example["messages"][0]["content"])
+                   for ids, mask, example in zip(collated["prompts"], collated["prompt_attention_mask"],
+                                                 spec["examples"]))
+
+    mismatches, template_replaced = count_mismatches(), False
+    if mismatches:  # e.g. SmolLM2's template adds a default system message opd does not send
+        tokenizer.chat_template, template_replaced = PLAIN_CHATML, True
+        mismatches = count_mismatches()
+    if mismatches:
+        raise SystemExit(f"TRL's collator renders {mismatches} prompts differently from opd: the timing would "
+                         "compare different work")
 
     class CountingGKDTrainer(GKDTrainer):
         """GKDTrainer unchanged, but for recording each step's completion tokens and phase times."""
@@ -204,6 +226,7 @@ def trl_worker(spec_path: Path, out_path: Path) -> None:
     out_path.write_text(json.dumps({
         "rows": timer.rows, "train_wall_s": time.perf_counter() - start, "trl_version": trl.__version__,
         "prompt_ids_match": mismatches == 0, "prompt_mismatches": mismatches,
+        "chat_template_replaced": template_replaced,
         "eos_token_id": trainer.generation_config.eos_token_id, "im_end_id": fmt.im_end_id,
         "trl_default_normaliser": default_normaliser, "torch_threads": torch.get_num_threads(),
     }, indent=2))
@@ -343,7 +366,9 @@ def markdown(result: dict) -> str:
     lines = [
         f"opd vanilla_opd vs TRL {result['trl_version']} GKDTrainer (lmbda=1, beta=1), {result['steps']} steps x "
         f"{result['rounds']} rounds, first {result['warmup']} steps of each run dropped; batch {result['batch_size']}, "
-        f"max_new_tokens {result['max_new_tokens']}, {result['threads']} torch threads",
+        f"max_new_tokens {result['max_new_tokens']}, {result['threads']} torch threads; opd's reverse KL estimator: "
+        f"{result.get('opd_estimator', 'full')}" + ("" if result.get("opd_estimator", "full") == "full" else
+                                                    " (the same objective from the sampled token: not GKD's exact loss)"),
         "",
         "| framework | median step (s) | median tokens/s | tokens/step | step throughput vs TRL | tokens/s vs TRL "
         "| fastest step (s) |",
@@ -438,6 +463,7 @@ def main(argv: list[str] | None = None) -> dict:
         "max_new_tokens": spec["max_new_tokens"], "trl_version": trl_checks.get("trl_version"),
         "student_path": spec["student_path"], "teacher_path": spec["teacher_path"],
         "summary": summary, "loss_check": check, "trl_checks": trl_checks,
+        "opd_estimator": spec["opd_estimator"],
         "runs": {name: [r["rows"] for r in rs] for name, rs in runs.items()},
     }
     (out / "vs_trl.json").write_text(json.dumps(result, indent=2, default=str))

@@ -132,3 +132,17 @@ def test_async_steps_is_refused_for_an_algorithm_that_plays_its_own_way(tmp_path
 
     with pytest.raises(ConfigError, match=r"'run.async_steps' is 1, but algorithm 'actfirst_opd'.*set it to 0"):
         load_config(ROOT / "recipes" / "actfirst_frozenlake.yaml", ["run.async_steps=1"])
+
+
+def test_the_driver_says_what_pipelining_does_with_the_recipes_placement():
+    from opd.config import load_config
+    from opd.runtime.driver import _pipelining_note
+
+    def note(*overrides: str, gpus: float = 0) -> str:
+        cfg = load_config(TINY, ["run.async_steps=1", *overrides])
+        cfg.resources.rollout_gpus = cfg.resources.trainer_gpus = gpus  # as on a GPU cluster (this machine has none)
+        return _pipelining_note(cfg)
+
+    assert "played one after another" in note("run.backend=local")
+    assert "sharing the CPU cores" in note() and "resources.torch_threads" in note()
+    assert "overlaps" in note(gpus=1)
