@@ -265,6 +265,12 @@ def accumulate_metrics(sums: dict[str, float], weights: dict[str, float], metric
             weights[k] = weights.get(k, 0.0) + w
 
 
+def _grad_norm(module: torch.nn.Module) -> float:
+    """The global 2-norm of ``module``'s gradients (before any clipping)."""
+    norms = [torch.linalg.vector_norm(p.grad.detach().float()) for p in module.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+
 class StudentTrainer:
     """Owns the training engine (DeepSpeed's, or :class:`~opd.training.torch_engine.TorchEngine`).
     Plain class; :mod:`opd.runtime.actors` hosts it in Ray, :mod:`opd.runtime.local` in the driver."""
@@ -380,11 +386,13 @@ class StudentTrainer:
             self.engine.backward(loss)
             accumulate_metrics(metrics_sum, weights, metrics, float(micro.loss_mask_BT.sum()), gas)
             metrics_sum["loss"] = metrics_sum.get("loss", 0.0) + float(loss.detach()) / gas
+        # DeepSpeed at ZeRO 0 clips the gradients on the parameters but keeps no norm: measure it here.
+        own_norm = _grad_norm(self.engine.module) if self.engine_kind == "deepspeed" and self.zero_stage == 0 else None
         self.engine.step()
         self.steps += 1
         metrics_sum.update({k: metrics_sum[k] / w if w > 0 else 0.0 for k, w in weights.items()})
         metrics_sum["nonfinite_loss"] = float(nonfinite > 0)
-        metrics_sum["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
+        metrics_sum["grad_norm"] = float(own_norm if own_norm is not None else self.engine.get_global_grad_norm() or 0.0)
         metrics_sum["train_tokens"] = float(batch.loss_mask_BT.sum())
         metrics_sum["train_rows"] = float(len(batch))
         metrics_sum["train_row_tokens"] = float(batch.attention_mask_BT.sum())  # what the forward computes
