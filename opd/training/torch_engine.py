@@ -36,6 +36,12 @@ from safetensors.torch import load_file, save_file
 STATE_FILES = ("model.safetensors", "optimizer.safetensors", "state.json")
 
 
+def grad_norm(module: torch.nn.Module) -> float:
+    """The global 2-norm of ``module``'s gradients (before any clipping)."""
+    norms = [torch.linalg.vector_norm(p.grad.detach().float()) for p in module.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+
 class TorchEngine:
     """A model, its AdamW and scheduler behind the subset of DeepSpeed's engine interface the
     trainer uses."""
@@ -82,11 +88,9 @@ class TorchEngine:
             return
         params = [p for p in self.module.parameters() if p.grad is not None]
         if self.grad_clip_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
+            self.global_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm))
         else:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])) \
-                if params else torch.zeros(())
-        self.global_grad_norm = float(norm)
+            self.global_grad_norm = grad_norm(self.module)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

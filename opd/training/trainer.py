@@ -46,7 +46,7 @@ import torch
 from opd.generation.packed import causal_forward, packed_forward
 from opd.losses import combined_loss, needs_reference, resolve_loss
 from opd.training.checkpoint import CheckpointError, check_pickles, safe_torch_load
-from opd.training.torch_engine import TorchEngine
+from opd.training.torch_engine import TorchEngine, grad_norm
 from opd.models import load_model, load_tokenizer, save_model
 from opd.trajectory import TokenBatch
 
@@ -265,12 +265,6 @@ def accumulate_metrics(sums: dict[str, float], weights: dict[str, float], metric
             weights[k] = weights.get(k, 0.0) + w
 
 
-def _grad_norm(module: torch.nn.Module) -> float:
-    """The global 2-norm of ``module``'s gradients (before any clipping)."""
-    norms = [torch.linalg.vector_norm(p.grad.detach().float()) for p in module.parameters() if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
-
-
 class StudentTrainer:
     """Owns the training engine (DeepSpeed's, or :class:`~opd.training.torch_engine.TorchEngine`).
     Plain class; :mod:`opd.runtime.actors` hosts it in Ray, :mod:`opd.runtime.local` in the driver."""
@@ -387,7 +381,7 @@ class StudentTrainer:
             accumulate_metrics(metrics_sum, weights, metrics, float(micro.loss_mask_BT.sum()), gas)
             metrics_sum["loss"] = metrics_sum.get("loss", 0.0) + float(loss.detach()) / gas
         # DeepSpeed at ZeRO 0 clips the gradients on the parameters but keeps no norm: measure it here.
-        own_norm = _grad_norm(self.engine.module) if self.engine_kind == "deepspeed" and self.zero_stage == 0 else None
+        own_norm = grad_norm(self.engine.module) if self.engine_kind == "deepspeed" and self.zero_stage == 0 else None
         self.engine.step()
         self.steps += 1
         metrics_sum.update({k: metrics_sum[k] / w if w > 0 else 0.0 for k, w in weights.items()})
