@@ -2,12 +2,17 @@
 side, timed in the same run.
 
     pip install trl==1.16.0                          # the comparison only (the dev extra has it)
-    .venv/bin/python bench/vs_trl.py                 # 2 rounds of 20 steps, opd (ray), TRL, opd (local)
+    .venv/bin/python bench/vs_trl.py --steps 12      # 2 rounds, opd (ray), TRL, opd (local); SmolLM2's vocabulary
     .venv/bin/python bench/vs_trl.py --steps 5 --rounds 1 --backends ray   # a quick look
+    .venv/bin/python bench/vs_trl.py --vocab recipe  # the recipe's own 320-token toy vocabulary
     .venv/bin/python bench/vs_trl.py rollout.episodes_per_step=64          # overrides reach both
+    .venv/bin/python bench/vs_trl.py supervision.scoring=sampled losses.0.args.estimator=sampled  # opd's sampled estimator
 
-    .venv/bin/python bench/vs_trl.py teacher.bootstrap.tokenizer=smollm2 student.bootstrap.tokenizer=smollm2 \
-        supervision.scoring=sampled losses.0.args.estimator=sampled    # a real vocabulary, opd's sampled estimator
+Vocabulary (``--vocab``): by default both models get SmolLM2's tokenizer (49,152 tokens, shipped
+offline with the CPU install), the size of a real model's, where the exact full-vocabulary loss
+costs what it costs on real models; the bootstrap then gives the teacher 150 and the student 60
+SFT steps. ``--vocab recipe`` keeps the recipe's own 320-token tokenizer: a toy in which a step is
+about 0.1 s of arithmetic in both frameworks and per-step overhead decides.
 
 What runs: ``recipes/prompt_dataset.yaml`` (the arithmetic prompt dataset, a tiny Qwen3 teacher
 and student built once by the cached bootstrap) with opd's ``vanilla_opd`` and the exact
@@ -77,6 +82,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_OVERRIDES = ("trainer.warmup_steps=0", "trainer.lr_schedule=constant", "run.eval_every_steps=0",
                     "run.eval_episodes=8", "run.save_every_steps=0", "run.trajectory_every_steps=0")
 TOLERANCE = 1e-4  # |opd - TRL| on the loss check
+# --vocab smollm2: a real vocabulary for both models, and the bootstrap steps that teach them the task with it.
+REAL_VOCAB_OVERRIDES = ("teacher.bootstrap.tokenizer=smollm2", "student.bootstrap.tokenizer=smollm2",
+                        "teacher.bootstrap.sft_steps=150", "student.bootstrap.sft_steps=60")
 # ChatML as opd renders a first prompt (opd.chat.first_prompt_ids): given to TRL's tokenizer when its
 # own template renders the prompts otherwise (SmolLM2's adds a default system message).
 PLAIN_CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -410,11 +418,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each framework's processes")
     parser.add_argument("--backends", default="ray,local", help="opd backends to time, comma-separated; the first "
                         "is the headline")
+    parser.add_argument("--vocab", choices=("smollm2", "recipe"), default="smollm2",
+                        help="both models' tokenizer: SmolLM2's 49,152 tokens, or the recipe's own (a toy)")
     parser.add_argument("--out", default="runs/bench_vs_trl")
     parser.add_argument("overrides", nargs="*", help="key=value for opd's recipe, read by both, e.g. "
                         "rollout.episodes_per_step=64")
     args = parser.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
+    if args.vocab == "smollm2":
+        args.overrides = [*REAL_VOCAB_OVERRIDES, *args.overrides]
     if args.rounds < 1 or args.steps <= args.warmup or not set(backends) <= {"ray", "local"} or not backends:
         parser.error("need --rounds >= 1, --steps > --warmup and --backends among ray,local")
     args.recipe = str(Path(args.recipe).resolve())  # the runs start in the repository root
@@ -458,7 +470,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     summary = {name: summarise(r, args.warmup) for name, r in runs.items()}
     result = {
-        "recipe": args.recipe, "overrides": args.overrides, "steps": args.steps, "rounds": args.rounds,
+        "recipe": args.recipe, "vocab": args.vocab, "overrides": args.overrides, "steps": args.steps, "rounds": args.rounds,
         "warmup": args.warmup, "threads": args.threads, "batch_size": spec["batch_size"],
         "max_new_tokens": spec["max_new_tokens"], "trl_version": trl_checks.get("trl_version"),
         "student_path": spec["student_path"], "teacher_path": spec["teacher_path"],

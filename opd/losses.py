@@ -176,13 +176,13 @@ def reduce_tokens(values_BT: torch.Tensor, batch: TokenBatch, cfg: Mapping[str, 
 
 
 # -- numerically safe pieces over log-distributions -----------------------------------------
-def _masked_logsumexp(x_BTS: torch.Tensor, keep_BTS: torch.Tensor) -> torch.Tensor:
+def _masked_logsumexp(x_NS: torch.Tensor, keep_NS: torch.Tensor) -> torch.Tensor:
     """``log sum exp`` over the kept entries of the last dim; ``-inf`` (with a zero, not NaN,
     gradient) where none is kept."""
-    any_BT = keep_BTS.any(-1)
-    safe_BTS = torch.where(keep_BTS, x_BTS, float("-inf"))
-    safe_BTS = torch.where(any_BT[..., None], safe_BTS, 0.0)
-    return torch.where(any_BT, torch.logsumexp(safe_BTS, dim=-1), float("-inf"))
+    any_N = keep_NS.any(-1)
+    safe_NS = torch.where(keep_NS, x_NS, float("-inf"))
+    safe_NS = torch.where(any_N[..., None], safe_NS, 0.0)
+    return torch.where(any_N, torch.logsumexp(safe_NS, dim=-1), float("-inf"))
 
 
 def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
@@ -205,7 +205,9 @@ def _log_mixture(a_log: torch.Tensor, b_log: torch.Tensor, beta: float) -> torch
 
 
 def teacher_student_distributions(batch: TokenBatch, estimator: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The teacher's and the student's distributions at each position, as ``[B, T, S]`` logprobs.
+    """The teacher's and the student's distributions at the trained tokens (``loss_mask_BT > 0``,
+    ``N`` of them in row-major order, as :class:`~opd.trajectory.TokenRows` keeps them), as
+    ``[N, S]`` logprobs; :func:`per_token` puts a value per row back at its ``[B, T]`` token.
 
     - ``full``: ``S = V``, the whole vocabulary.
     - ``topk``: ``S = K + 1``: the teacher's top-k ids, then one bucket for all other ids (the
@@ -213,32 +215,40 @@ def teacher_student_distributions(batch: TokenBatch, estimator: str) -> tuple[to
       divergence of the coarsened pair (a lower bound on the full one, equal when the tail
       is empty). Padded top-k entries (teacher logprob ``-inf``) move to the student's tail.
     """
-    student_BTV = batch.student_logprobs_BTV
-    if student_BTV is None:
-        raise ValueError("this loss needs the student's full distribution (batch.student_logprobs_BTV); "
-                         "the trainer sets it, set it yourself when calling a loss directly")
+    if batch.student_logprobs_NV is None:
+        raise ValueError("this loss needs the student's full distribution (batch.student_logprobs_NV); "
+                         "the trainer sets it, set it yourself when calling a loss directly (batch.with_student)")
+    mask_BT = batch.loss_mask_BT > 0
+    student_NV = batch.student_logprobs_NV.at(mask_BT)
     if estimator == "full":
-        if batch.teacher_full_logprobs_BTV is None:
+        if batch.teacher_full_logprobs_NV is None:
             raise ValueError("estimator 'full' needs supervision.scoring: full")
-        return batch.teacher_full_logprobs_BTV, student_BTV
+        return batch.teacher_full_logprobs_NV.at(mask_BT).to(student_NV.device), student_NV
     if batch.teacher_topk_ids_BTK is None:
         raise ValueError("estimator 'topk' needs supervision.scoring: topk")
-    ids_BTK = batch.teacher_topk_ids_BTK
-    teacher_BTK = batch.teacher_topk_logprobs_BTK
-    real_BTK = teacher_BTK > float("-inf")
-    student_BTK = torch.where(real_BTK, student_BTV.gather(-1, ids_BTK), float("-inf"))
-    in_topk_BTV = torch.zeros_like(student_BTV, dtype=torch.bool).scatter_(-1, ids_BTK, real_BTK)
-    student_tail_BT = _masked_logsumexp(student_BTV, ~in_topk_BTV)
-    teacher_BTS = torch.cat([teacher_BTK, batch.teacher_tail_logprob_BT[..., None]], dim=-1)
-    student_BTS = torch.cat([student_BTK, student_tail_BT[..., None]], dim=-1)
-    return teacher_BTS, student_BTS
+    ids_NK = batch.teacher_topk_ids_BTK[mask_BT]
+    teacher_NK = batch.teacher_topk_logprobs_BTK[mask_BT]
+    real_NK = teacher_NK > float("-inf")
+    student_NK = torch.where(real_NK, student_NV.gather(-1, ids_NK), float("-inf"))
+    in_topk_NV = torch.zeros_like(student_NV, dtype=torch.bool).scatter_(-1, ids_NK, real_NK)
+    student_tail_N = _masked_logsumexp(student_NV, ~in_topk_NV)
+    teacher_NS = torch.cat([teacher_NK, batch.teacher_tail_logprob_BT[mask_BT][..., None]], dim=-1)
+    student_NS = torch.cat([student_NK, student_tail_N[..., None]], dim=-1)
+    return teacher_NS, student_NS
+
+
+def per_token(batch: TokenBatch, values_N: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: ``values_N`` (one per trained token, in the row-major order of
+    :func:`teacher_student_distributions`) at their tokens, 0 elsewhere; the gradient flows."""
+    mask_BT = batch.loss_mask_BT > 0
+    return values_N.new_zeros(mask_BT.shape).index_put(tuple(mask_BT.nonzero().T), values_N)
 
 
 def _estimator(batch: TokenBatch, cfg: Mapping[str, Any], allowed: tuple[str, ...]) -> str:
     """The estimator ``cfg["estimator"]`` names; ``auto`` picks the richest teacher data present."""
     name = cfg.get("estimator", "auto")
     if name == "auto":
-        name = "full" if batch.teacher_full_logprobs_BTV is not None else "topk" if batch.teacher_topk_ids_BTK is not None else "sampled"
+        name = "full" if batch.teacher_full_logprobs_NV is not None else "topk" if batch.teacher_topk_ids_BTK is not None else "sampled"
     if name not in allowed:
         raise ValueError(f"estimator {name!r} is not available for this loss; choose one of {allowed} "
                          "(and set supervision.scoring to match)")
@@ -281,8 +291,9 @@ def reverse_kl(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor,
     - ``topk``: exact over the teacher's top-k plus one tail bucket (``scoring: topk``).
     - ``full``: exact over the vocabulary (``scoring: full``).
 
-    Shapes: ``[B, T]`` inputs, plus ``student_logprobs_BTV`` ``[B, T, V]`` and the teacher's
-    ``[B, T, K]`` / ``[B, T, V]`` tensors for the exact estimators; returns a scalar.
+    Shapes: ``[B, T]`` inputs, plus for the exact estimators the student's ``[N, V]`` rows
+    (``student_logprobs_NV``) and the teacher's ``[B, T, K]`` top-k or ``[N, V]`` rows; returns a
+    scalar.
 
     Args (``cfg``): ``estimator``, ``clip_ratio`` (0.2), ``kl_coef`` (1.0), ``baseline``
     (``none`` | ``batch_mean``, sampled only), ``normalize``, ``turn_weights``.
@@ -294,8 +305,8 @@ def reverse_kl(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor,
     mask_BT = batch.loss_mask_BT
     coef = float(cfg.get("kl_coef", 1.0))
     if estimator != "sampled":
-        teacher_BTS, student_BTS = teacher_student_distributions(batch, estimator)
-        kl_BT = _kl(student_BTS, teacher_BTS)
+        teacher_NS, student_NS = teacher_student_distributions(batch, estimator)
+        kl_BT = per_token(batch, _kl(student_NS, teacher_NS))
         loss = coef * reduce_tokens(kl_BT, batch, cfg)
         return loss, {"reverse_kl": float(masked_mean(kl_BT.detach(), mask_BT))}
     eps = float(cfg.get("clip_ratio", 0.2))
@@ -319,12 +330,12 @@ def forward_kl(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor,
     Mode-covering, where reverse KL is mode-seeking: the student is pulled towards every token
     the teacher gives mass to, including ones it never samples.
 
-    Shapes: ``student_logprobs_BTV`` ``[B, T, V]``, teacher ``[B, T, K]`` + ``[B, T]`` tail or
-    ``[B, T, V]``; returns a scalar. Args: ``estimator`` (auto | topk | full), ``normalize``,
+    Shapes: ``student_logprobs_NV`` ``[N, V]`` rows, teacher ``[B, T, K]`` + ``[B, T]`` tail or
+    ``[N, V]`` rows; returns a scalar. Args: ``estimator`` (auto | topk | full), ``normalize``,
     ``turn_weights``. Metric: ``forward_kl``.
     """
-    teacher_BTS, student_BTS = teacher_student_distributions(batch, _estimator(batch, cfg, ("topk", "full")))
-    kl_BT = _kl(teacher_BTS, student_BTS)
+    teacher_NS, student_NS = teacher_student_distributions(batch, _estimator(batch, cfg, ("topk", "full")))
+    kl_BT = per_token(batch, _kl(teacher_NS, student_NS))
     return reduce_tokens(kl_BT, batch, cfg), {"forward_kl": float(masked_mean(kl_BT.detach(), batch.loss_mask_BT))}
 
 
@@ -344,14 +355,15 @@ def gjsd(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, dict[
     beta = float(cfg.get("beta", 0.5))
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"gjsd: beta={beta} must lie in [0, 1]")
-    teacher_BTS, student_BTS = teacher_student_distributions(batch, _estimator(batch, cfg, ("topk", "full")))
+    teacher_NS, student_NS = teacher_student_distributions(batch, _estimator(batch, cfg, ("topk", "full")))
     if beta == 0.0:
-        div_BT = _kl(teacher_BTS, student_BTS)
+        div_N = _kl(teacher_NS, student_NS)
     elif beta == 1.0:
-        div_BT = _kl(student_BTS, teacher_BTS)
+        div_N = _kl(student_NS, teacher_NS)
     else:
-        mixture_BTS = _log_mixture(teacher_BTS, student_BTS, beta)
-        div_BT = beta * _kl(teacher_BTS, mixture_BTS) + (1 - beta) * _kl(student_BTS, mixture_BTS)
+        mixture_NS = _log_mixture(teacher_NS, student_NS, beta)
+        div_N = beta * _kl(teacher_NS, mixture_NS) + (1 - beta) * _kl(student_NS, mixture_NS)
+    div_BT = per_token(batch, div_N)
     return reduce_tokens(div_BT, batch, cfg), {"gjsd": float(masked_mean(div_BT.detach(), batch.loss_mask_BT))}
 
 

@@ -127,6 +127,21 @@ def load_model(path: str, dtype: str = "float32", trust_remote_code: bool = Fals
     return model.eval()
 
 
+def cpu_copy(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A detached CPU copy of ``state_dict`` in which a tensor tied under several names (an LM
+    head tied to the embeddings) is copied once and shared by those names. Pickling (Ray's
+    object store) then carries it once: with a large vocabulary and a small model, that tensor
+    is most of the bytes."""
+    copies: dict[tuple, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, value in state_dict.items():
+        key = (value.device, value.data_ptr(), tuple(value.shape), value.stride())
+        if key not in copies:
+            copies[key] = value.detach().cpu().clone()
+        out[name] = copies[key]
+    return out
+
+
 def save_model(model, tokenizer, directory: str | Path) -> None:
     """Write an HF directory (config, safetensors weights, tokenizer)."""
     directory = Path(directory)

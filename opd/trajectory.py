@@ -99,6 +99,110 @@ class Trajectory:
 
 
 @dataclass
+class TokenRows:
+    """One ``[V]`` row of values for each of some tokens of a ``[B, T]`` batch: ``values_NV[n]``
+    belongs to the ``n``-th True entry of ``mask_BT`` in row-major order (row by row, left to
+    right). A distribution over the vocabulary is needed only where a loss trains, so the exact
+    estimators keep ``[N, V]`` at those ``N`` tokens instead of ``[B, T, V]`` at every position
+    (on a single-turn batch of 32 rows at a 49k vocabulary: 82 positions of about 900, 16 MB in
+    place of 176 MB).
+
+    Attributes:
+        mask_BT: bool, the tokens that hold a row.
+        values_NV: ``[N, V]`` with ``N = mask_BT.sum()``; may carry gradient.
+        fill: the value of every entry at the tokens that hold no row (see :meth:`dense`).
+
+    Example:
+        >>> rows = TokenRows(torch.tensor([[False, True, True]]), torch.tensor([[0.1, 0.9], [0.5, 0.5]]))
+        >>> rows.at(torch.tensor([[False, False, True]])).tolist()
+        [[0.5, 0.5]]
+        >>> rows.dense()[0, 0].tolist()
+        [0.0, 0.0]
+    """
+
+    mask_BT: torch.Tensor
+    values_NV: torch.Tensor
+    fill: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.mask_BT = self.mask_BT.bool()
+        if self.mask_BT.dim() != 2 or int(self.mask_BT.sum()) != self.values_NV.shape[0]:
+            raise ValueError(f"TokenRows: {tuple(self.values_NV.shape)} values for a mask of shape "
+                             f"{tuple(self.mask_BT.shape)} with {int(self.mask_BT.sum())} tokens set")
+
+    @staticmethod
+    def from_dense(values_BTV: torch.Tensor, mask_BT: torch.Tensor | None = None, fill: float = 0.0) -> "TokenRows":
+        """The rows of ``values_BTV`` at ``mask_BT`` (default every position: no copy)."""
+        if mask_BT is None:
+            mask_BT = torch.ones(values_BTV.shape[:2], dtype=torch.bool, device=values_BTV.device)
+            return TokenRows(mask_BT, values_BTV.reshape(-1, values_BTV.shape[-1]), fill)
+        return TokenRows(mask_BT, values_BTV[mask_BT.bool()], fill)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(B, T, V)`` of the dense tensor these rows stand for."""
+        return (*self.mask_BT.shape, self.values_NV.shape[-1])
+
+    def dense(self) -> torch.Tensor:
+        """``[B, T, V]``: the rows at their tokens, :attr:`fill` elsewhere (with the values' gradient)."""
+        if bool(self.mask_BT.all()):
+            return self.values_NV.reshape(self.shape)
+        out = self.values_NV.new_full(self.shape, self.fill)
+        return out.index_put(tuple(self.mask_BT.nonzero().T), self.values_NV)
+
+    def at(self, mask_BT: torch.Tensor) -> torch.Tensor:
+        """``[M, V]``: the rows of the ``M`` True entries of ``mask_BT`` (same ``[B, T]``), in
+        row-major order; a token that holds no row gets :attr:`fill`."""
+        mask_BT = mask_BT.bool().to(self.mask_BT.device)
+        if torch.equal(mask_BT, self.mask_BT):
+            return self.values_NV
+        index_BT = torch.full(self.mask_BT.shape, -1, dtype=torch.long, device=self.mask_BT.device)
+        index_BT[self.mask_BT] = torch.arange(self.values_NV.shape[0], device=self.mask_BT.device)
+        index_M = index_BT[mask_BT]
+        held_M1 = (index_M >= 0)[:, None]
+        picked_MV = self.values_NV[index_M.clamp(min=0)] if self.values_NV.shape[0] else \
+            self.values_NV.new_zeros(index_M.shape[0], self.values_NV.shape[-1])
+        return picked_MV if bool(held_M1.all()) else torch.where(held_M1, picked_MV, self.fill)
+
+    def select_rows(self, index: torch.Tensor) -> "TokenRows":
+        """The batch rows ``index`` (int64), in that order."""
+        index = index.to(self.mask_BT.device)
+        counts_B = self.mask_BT.sum(1)
+        starts_B = counts_B.cumsum(0) - counts_B
+        picked_counts = counts_B[index]
+        total = int(picked_counts.sum())
+        # For each kept value: its row's start, plus its offset within the row.
+        first_N = torch.repeat_interleave(starts_B[index], picked_counts, output_size=total)
+        begin_N = torch.repeat_interleave(picked_counts.cumsum(0) - picked_counts, picked_counts, output_size=total)
+        offset_N = torch.arange(total, device=index.device) - begin_N
+        return TokenRows(self.mask_BT[index], self.values_NV[(first_N + offset_N).to(self.values_NV.device)], self.fill)
+
+    def narrow(self, width: int) -> "TokenRows":
+        """The first ``width`` positions of every row (rows held beyond them are dropped)."""
+        if not bool(self.mask_BT[:, width:].any()):
+            return TokenRows(self.mask_BT[:, :width], self.values_NV, self.fill)
+        keep_N = self.mask_BT.nonzero()[:, 1] < width
+        return TokenRows(self.mask_BT[:, :width], self.values_NV[keep_N.to(self.values_NV.device)], self.fill)
+
+    def to(self, device) -> "TokenRows":
+        return TokenRows(self.mask_BT.to(device), self.values_NV.to(device), self.fill)
+
+    @staticmethod
+    def concat(parts: list["TokenRows | None"], rows: list[int], width: int) -> "TokenRows":
+        """The batch rows of ``parts`` in order, masks right-padded to ``width``; a ``None`` part
+        (a batch without these values) holds no rows for its ``rows[i]`` batch rows."""
+        template = next(p for p in parts if p is not None)
+        masks, values = [], []
+        for part, n in zip(parts, rows):
+            mask_BT = torch.zeros(n, width, dtype=torch.bool)
+            if part is not None:
+                mask_BT[:, : part.mask_BT.shape[1]] = part.mask_BT.cpu()
+                values.append(part.values_NV)
+            masks.append(mask_BT)
+        return TokenRows(torch.cat(masks), torch.cat(values), template.fill)
+
+
+@dataclass
 class TokenBatch:
     """A padded batch of student sequences with per-token targets, as the losses see it.
 
@@ -120,12 +224,15 @@ class TokenBatch:
             most likely ids at each response position and their logprobs (``-inf`` where a row
             has fewer than ``K`` entries, and off the response tokens).
         teacher_tail_logprob_BT: ``topk`` scoring: log of the teacher's mass outside its top-k.
-        teacher_full_logprobs_BTV: ``full`` scoring: the teacher's log-softmax over the whole
-            vocabulary (0 off the response tokens).
+        teacher_full_logprobs_NV: ``full`` scoring: the teacher's log-softmax over the whole
+            vocabulary at the scored response tokens, as :class:`TokenRows` (``[N, V]``; a dense
+            view is :attr:`teacher_full_logprobs_BTV`, 0 off those tokens).
         advantage_B: float32 one advantage per sequence (e.g. GRPO's group-relative return,
             :func:`opd.losses.group_advantages`), for :func:`opd.losses.ppo_clip`.
-        student_logprobs_BTV: float32 the student's log-softmax over the vocabulary, with
-            gradient (set by the trainer with ``student_logprobs_BT``).
+        student_logprobs_NV: the student's float32 log-softmax over the vocabulary, with
+            gradient, as :class:`TokenRows`: set by the trainer with ``student_logprobs_BT`` when a
+            loss can read it, at the tokens the losses train on (every position when the recipe
+            has a user's loss). :attr:`student_logprobs_BTV` is its dense ``[B, T, V]`` view.
         masks_BT: named float32 ``[B, T]`` token masks an algorithm adds beside ``loss_mask_BT``,
             for losses that train on other tokens (:meth:`restricted_to`). PivotOPD's ``pivot``
             (the response tokens of a failed episode's pivotal turn) and ``recovery`` (the
@@ -155,9 +262,9 @@ class TokenBatch:
     teacher_topk_ids_BTK: torch.Tensor | None = None
     teacher_topk_logprobs_BTK: torch.Tensor | None = None
     teacher_tail_logprob_BT: torch.Tensor | None = None
-    teacher_full_logprobs_BTV: torch.Tensor | None = None
+    teacher_full_logprobs_NV: TokenRows | None = None
     advantage_B: torch.Tensor | None = None
-    student_logprobs_BTV: torch.Tensor | None = None
+    student_logprobs_NV: TokenRows | None = None
     masks_BT: dict[str, torch.Tensor] | None = None
     reference_logprobs_BT: torch.Tensor | None = None
     position_ids_BT: torch.Tensor | None = None
@@ -167,11 +274,25 @@ class TokenBatch:
     def __len__(self) -> int:
         return int(self.input_ids_BT.shape[0])
 
-    def _map(self, fn) -> "TokenBatch":
-        """``fn`` applied to every tensor, the named masks included."""
+    @property
+    def teacher_full_logprobs_BTV(self) -> torch.Tensor | None:
+        """:attr:`teacher_full_logprobs_NV` as a dense ``[B, T, V]`` tensor (0 off the scored tokens)."""
+        return None if self.teacher_full_logprobs_NV is None else self.teacher_full_logprobs_NV.dense()
+
+    @property
+    def student_logprobs_BTV(self) -> torch.Tensor | None:
+        """:attr:`student_logprobs_NV` as a dense ``[B, T, V]`` tensor with its gradient (0 where
+        it was not computed)."""
+        return None if self.student_logprobs_NV is None else self.student_logprobs_NV.dense()
+
+    def _map(self, fn, rows_fn) -> "TokenBatch":
+        """``fn`` applied to every tensor, the named masks included, and ``rows_fn`` to every
+        :class:`TokenRows`."""
         def apply(value):
             if isinstance(value, torch.Tensor):
                 return fn(value)
+            if isinstance(value, TokenRows):
+                return rows_fn(value)
             if isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
                 return {k: fn(v) for k, v in value.items()}
             return value
@@ -180,15 +301,15 @@ class TokenBatch:
 
     def select(self, rows: slice) -> "TokenBatch":
         """The rows ``rows`` of every tensor (a micro-batch)."""
-        return self._map(lambda t: t[rows])
+        return self.select_rows(torch.arange(len(self))[rows])
 
     def select_rows(self, index: torch.Tensor) -> "TokenBatch":
         """The rows ``index`` (int64 ``[N]``) of every tensor, in that order."""
-        return self._map(lambda t: t[index.to(t.device)])
+        return self._map(lambda t: t[index.to(t.device)], lambda r: r.select_rows(index))
 
     def narrow(self, width: int) -> "TokenBatch":
         """Every per-token tensor cut to its first ``width`` positions (drop shared padding)."""
-        return self._map(lambda t: t[:, :width] if t.dim() >= 2 else t)
+        return self._map(lambda t: t[:, :width] if t.dim() >= 2 else t, lambda r: r.narrow(width))
 
     def micro_batches(self, max_rows: int, max_tokens: int = 0) -> list["TokenBatch"]:
         """The rows split by :func:`length_groups` (longest first, at most ``max_rows`` rows and
@@ -199,10 +320,15 @@ class TokenBatch:
 
     def to(self, device) -> "TokenBatch":
         """Every tensor moved to ``device``."""
-        return self._map(lambda t: t.to(device))
+        return self._map(lambda t: t.to(device), lambda r: r.to(device))
 
-    def with_student(self, student_logprobs_BT: torch.Tensor, student_logprobs_BTV: torch.Tensor | None = None) -> "TokenBatch":
-        return replace(self, student_logprobs_BT=student_logprobs_BT, student_logprobs_BTV=student_logprobs_BTV)
+    def with_student(self, student_logprobs_BT: torch.Tensor,
+                     student_logprobs: "TokenRows | torch.Tensor | None" = None) -> "TokenBatch":
+        """This batch with the student's logprobs: ``[B, T]`` and, optionally, the distribution
+        over the vocabulary as :class:`TokenRows` or a dense ``[B, T, V]`` tensor."""
+        if isinstance(student_logprobs, torch.Tensor):
+            student_logprobs = TokenRows.from_dense(student_logprobs)
+        return replace(self, student_logprobs_BT=student_logprobs_BT, student_logprobs_NV=student_logprobs)
 
     def turn_keys_BT(self) -> torch.Tensor:
         """``[B, T]`` int64 id of each token's (sequence, turn) pair, unique across the batch."""
@@ -269,6 +395,8 @@ class TokenBatch:
             values = [getattr(b, f.name) for b in batches]
             if f.name == "totals" or all(v is None for v in values):
                 out[f.name] = None
+            elif f.name.endswith("_NV"):
+                out[f.name] = TokenRows.concat(values, [len(b) for b in batches], width)
             elif f.name == "masks_BT":
                 names = list(dict.fromkeys(n for v in values for n in (v or {})))
                 out[f.name] = {n: stack(f.name, [(v or {}).get(n) for v in values]) for n in names}

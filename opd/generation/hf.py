@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from opd.generation.base import Completion, SamplingParams, ScoreRequest, TokenScores, scores_from_logprobs
 from opd.generation.hf_stream import HFStream
 from opd.generation.kv_cache import PrefixCache, kv_cache, kv_layers
-from opd.generation.packed import causal_forward, packed_forward
+from opd.generation.packed import causal_forward, head_logits_at, packed_forward
 from opd.models import load_model, load_tokenizer
 from opd.trajectory import length_groups
 
@@ -217,15 +217,24 @@ class HFEngine:
             branch_BL[i, :n] = torch.tensor(r.branch_ids)
             valid_BL[i, :n] = True
         plain = not branch_BL.any() and torch.equal(pos_BL, torch.arange(L).expand(B, L) * valid_BL)
-        if plain:  # no branches (single-turn rows, the full view): one causal forward, no packed layout
-            logits_BLV = causal_forward(self.model, ids_BL.to(self.device), valid_BL)
-        else:
-            logits_BLV = packed_forward(self.model, ids_BL.to(self.device), pos_BL, branch_BL, valid_BL)
-        results = []
+        ids_BL = ids_BL.to(self.device)
+        # The LM head only at the source positions: [N, V] logits, not [B, L, V].
+        rows_N = torch.cat([torch.full((len(r.source_index),), i, dtype=torch.long) for i, r in enumerate(requests)])
+        source_N = torch.cat([torch.tensor(r.source_index, dtype=torch.long) for r in requests])
+        # No branches (single-turn rows, the full view): one causal forward, no packed layout.
+        layout = (None, None) if plain else (pos_BL, branch_BL)
+        logits_NV = head_logits_at(self.model, ids_BL, valid_BL, rows_N.to(self.device), source_N.to(self.device),
+                                   *layout)
+        if logits_NV is None:  # a head that is not a plain linear map: every position's logits
+            logits_BLV = (causal_forward(self.model, ids_BL, valid_BL) if plain
+                          else packed_forward(self.model, ids_BL, pos_BL, branch_BL, valid_BL))
+            logits_NV = logits_BLV[rows_N.to(self.device), source_N.to(self.device)]
+        results, start = [], 0
         for i, r in enumerate(requests):
-            source = torch.tensor(r.source_index, dtype=torch.long, device=self.device)
-            target = ids_BL[i, r.target_index].to(self.device)
-            logp_NV = torch.log_softmax(logits_BLV[i, source].float(), dim=-1)
+            n = len(r.source_index)
+            target = ids_BL[i, r.target_index]
+            logp_NV = torch.log_softmax(logits_NV[start : start + n].float(), dim=-1)
+            start += n
             results.append(scores_from_logprobs(logp_NV, target, mode, top_k))
         return results
 
@@ -238,8 +247,13 @@ class HFEngine:
         missing = [name for name in state_dict if name not in params]
         if missing:
             raise KeyError(f"weights for unknown parameters: {missing[:5]}")
+        copied: set[tuple[int, int]] = set()
         for name, value in state_dict.items():
-            params[name].copy_(value.to(params[name].device, params[name].dtype))
+            target = params[name]
+            if (id(value), target.data_ptr()) in copied:  # a tied tensor, sent once under both names
+                continue
+            copied.add((id(value), target.data_ptr()))
+            target.copy_(value.to(target.device, target.dtype))
         self.prefixes.clear()  # KV computed with the old weights
 
     def state_dict(self) -> dict[str, torch.Tensor]:

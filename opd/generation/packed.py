@@ -31,10 +31,12 @@ take :func:`causal_forward`, which leaves the padding mask out for the same reas
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -183,3 +185,60 @@ def causal_forward(model, input_ids_BL: torch.Tensor, valid_BL: torch.Tensor) ->
     if FAST_ATTENTION and torch.equal(valid_BL, torch.arange(valid_BL.shape[1], device=valid_BL.device) < lengths_B1):
         return model(input_ids=input_ids_BL).logits
     return model(input_ids=input_ids_BL, attention_mask=valid_BL.long()).logits
+
+
+class FinalHiddenStates:
+    """The model as :mod:`opd.generation.packed`'s forwards call it, answering with the final
+    hidden states (the LM head's input, after the last norm) in place of the logits: the LM head
+    runs at one position only (``logits_to_keep=1``), whose logits check that the head is the
+    plain linear map :func:`head_logits_at` applies (no soft-capping or scaling after it)."""
+
+    def __init__(self, model):
+        self.model = model  # the DeepSpeed engine or the HF model: the call goes through its forward
+        self.module = getattr(model, "module", model)  # what packed reads the config from
+        self.head = self.module.get_output_embeddings()
+        # The torch engine's bfloat16 autocast: the head applied by hand must run in it as well.
+        self.autocast = getattr(model, "autocast", contextlib.nullcontext)
+        self.ok = False
+
+    def __call__(self, **inputs):
+        self.ok = False
+        ids_BL = inputs["input_ids"]
+        placeholder_BL1 = torch.zeros(*ids_BL.shape, 1, device=ids_BL.device)  # what the caller reorders when not ok
+        decoder = getattr(self.module, "get_decoder", lambda: None)()
+        if not isinstance(decoder, torch.nn.Module):
+            return SimpleNamespace(logits=placeholder_BL1)
+        captured = []
+        hook = decoder.register_forward_hook(lambda mod, args, out: captured.append(out[0]))
+        try:
+            logits_B1V = self.model(**inputs, logits_to_keep=1).logits
+        except TypeError:  # a forward without logits_to_keep
+            return SimpleNamespace(logits=placeholder_BL1)
+        finally:
+            hook.remove()
+        hidden_BLH = captured[-1] if captured else None
+        if hidden_BLH is not None and isinstance(self.head, torch.nn.Linear):
+            with torch.no_grad(), self.autocast():  # padding positions may hold NaN (a query that sees no key)
+                self.ok = torch.allclose(self.head(hidden_BLH[:, -1:]).float(), logits_B1V.float(), rtol=1e-4,
+                                         atol=1e-4, equal_nan=True)
+        return SimpleNamespace(logits=hidden_BLH if self.ok else placeholder_BL1)
+
+
+def head_logits_at(model, input_ids_BL: torch.Tensor, valid_BL: torch.Tensor, rows_N: torch.Tensor,
+                   columns_N: torch.Tensor, position_ids_BL: torch.Tensor | None = None,
+                   branch_BL: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``[N, V]`` logits at the ``N`` positions ``(rows_N, columns_N)`` of a forward over the
+    rows (plain, or packed when ``branch_BL`` is given): the transformer runs on every token,
+    the LM head only at those positions, so a large vocabulary costs ``[N, V]``, not
+    ``[B, L, V]``. ``None`` when the model's head is not a plain linear map of the decoder's
+    output (soft-capped or scaled logits): the caller computes every position instead.
+    """
+    stand_in = FinalHiddenStates(model)
+    if branch_BL is None:
+        hidden_BLH = causal_forward(stand_in, input_ids_BL, valid_BL)
+    else:
+        hidden_BLH = packed_forward(stand_in, input_ids_BL, position_ids_BL, branch_BL, valid_BL.bool())
+    if not stand_in.ok:
+        return None
+    with stand_in.autocast():
+        return stand_in.head(hidden_BLH[rows_N, columns_N])

@@ -28,7 +28,7 @@ import torch
 
 from opd.chat import ChatFormat, render_context
 from opd.generation.base import ScoreRequest, TokenScores
-from opd.trajectory import TokenBatch, Trajectory
+from opd.trajectory import TokenBatch, TokenRows, Trajectory
 
 
 def pack_trajectory(traj: Trajectory, view: str, fmt: ChatFormat) -> ScoreRequest:
@@ -118,7 +118,7 @@ def with_teacher_scores(batch: TokenBatch, positions: list[list[int]], scores: l
     """``batch`` with the teacher's scores of row ``b`` on its tokens ``positions[b]`` (the k-th
     score on the k-th position): ``teacher_logprobs_BT`` always, and, where the scores carry them,
     ``topk``'s ids, logprobs and tail mass (``-inf`` / 0 elsewhere) and ``full``'s distribution
-    (0 elsewhere).
+    (as :class:`~opd.trajectory.TokenRows`, ``[N, V]`` at those tokens).
 
     Shapes: ``positions[b]`` has ``len(scores[b].logprobs)`` entries, indices into ``[0, T)``.
     """
@@ -138,8 +138,14 @@ def with_teacher_scores(batch: TokenBatch, positions: list[list[int]], scores: l
             tail_BT[b, index] = score.tail_logprob
         fields.update(teacher_topk_ids_BTK=ids_BTK, teacher_topk_logprobs_BTK=logp_BTK, teacher_tail_logprob_BT=tail_BT)
     if scores and scores[0].full_logprobs is not None:
-        full_BTV = torch.zeros(B, T, scores[0].full_logprobs.shape[1])
+        # [N, V] rows at the scored tokens only (TokenRows), in row-major order.
+        mask_BT = torch.zeros(B, T, dtype=torch.bool)
+        rows = []
         for b, (index, score) in enumerate(zip(positions, scores)):
-            full_BTV[b, index] = score.full_logprobs
-        fields["teacher_full_logprobs_BTV"] = full_BTV
+            order = sorted(range(len(index)), key=index.__getitem__)
+            mask_BT[b, index] = True
+            rows.append(score.full_logprobs[order])
+        if int(mask_BT.sum()) != sum(len(index) for index in positions):
+            raise ValueError("with_teacher_scores: a row's positions repeat a token")
+        fields["teacher_full_logprobs_NV"] = TokenRows(mask_BT, torch.cat(rows))
     return replace(batch, **fields)

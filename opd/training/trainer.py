@@ -38,17 +38,16 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from opd.generation.packed import causal_forward, packed_forward
+from opd.generation.packed import causal_forward, head_logits_at, packed_forward
 from opd.losses import combined_loss, needs_reference, resolve_loss
 from opd.training.checkpoint import CheckpointError, check_pickles, safe_torch_load
 from opd.training.torch_engine import TorchEngine, grad_norm
-from opd.models import load_model, load_tokenizer, save_model
-from opd.trajectory import TokenBatch
+from opd.models import cpu_copy, load_model, load_tokenizer, save_model
+from opd.trajectory import TokenBatch, TokenRows
 
 log = logging.getLogger(__name__)
 GATHER_LOGPROBS = True  # False: every position's log-softmax, as before (bench/mfu.py measures one against the other)
@@ -96,48 +95,12 @@ def student_logprobs(model, batch: TokenBatch, temperature: float = 1.0) -> tupl
     return torch.cat([zeros_B1V[..., 0], picked_BT], dim=1), torch.cat([zeros_B1V, logp_BTV], dim=1)
 
 
-class _FinalHiddenStates:
-    """The model as :mod:`opd.generation.packed`'s forwards call it, answering with the final
-    hidden states (the LM head's input, after the last norm) in place of the logits: the LM head
-    runs at one position only (``logits_to_keep=1``), whose logits check that the head is the
-    plain linear map :func:`student_logprobs_at` applies (no soft-capping or scaling after it)."""
-
-    def __init__(self, model):
-        self.model = model  # the DeepSpeed engine or the HF model: the call goes through its forward
-        self.module = getattr(model, "module", model)  # what packed reads the config from
-        self.head = self.module.get_output_embeddings()
-        # The torch engine's bfloat16 autocast: the head applied by hand must run in it as well.
-        self.autocast = getattr(model, "autocast", contextlib.nullcontext)
-        self.ok = False
-
-    def __call__(self, **inputs):
-        self.ok = False
-        ids_BL = inputs["input_ids"]
-        placeholder_BL1 = torch.zeros(*ids_BL.shape, 1, device=ids_BL.device)  # what the caller reorders when not ok
-        decoder = getattr(self.module, "get_decoder", lambda: None)()
-        if not isinstance(decoder, torch.nn.Module):
-            return SimpleNamespace(logits=placeholder_BL1)
-        captured = []
-        hook = decoder.register_forward_hook(lambda mod, args, out: captured.append(out[0]))
-        try:
-            logits_B1V = self.model(**inputs, logits_to_keep=1).logits
-        except TypeError:  # a forward without logits_to_keep
-            return SimpleNamespace(logits=placeholder_BL1)
-        finally:
-            hook.remove()
-        hidden_BLH = captured[-1] if captured else None
-        if hidden_BLH is not None and isinstance(self.head, torch.nn.Linear):
-            with torch.no_grad(), self.autocast():  # padding positions may hold NaN (a query that sees no key)
-                self.ok = torch.allclose(self.head(hidden_BLH[:, -1:]).float(), logits_B1V.float(), rtol=1e-4,
-                                         atol=1e-4, equal_nan=True)
-        return SimpleNamespace(logits=hidden_BLH if self.ok else placeholder_BL1)
-
-
 def student_logprobs_at(model, batch: TokenBatch, positions_BT: torch.Tensor, temperature: float = 1.0,
-                        full_vocab: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`student_logprobs` at ``positions_BT`` (bool ``[B, T]``) only: ``[B, T]`` and, with
-    ``full_vocab``, ``[B, T, V]`` (else ``None``), equal to its values there and 0 elsewhere
-    (where they carry no gradient).
+                        full_vocab: bool = False) -> tuple[torch.Tensor, TokenRows | None]:
+    """:func:`student_logprobs` at ``positions_BT`` (bool ``[B, T]``) only: ``[B, T]``, equal to
+    its values there and 0 elsewhere (where they carry no gradient), and, with ``full_vocab``, the
+    distribution over the vocabulary at those positions as :class:`~opd.trajectory.TokenRows`
+    (``[N, V]``; else ``None``).
 
     The transformer runs on every token (each position's hidden state feeds the later ones), but
     the LM head and the log-softmax over the vocabulary only on the ``N`` hidden states that
@@ -147,31 +110,25 @@ def student_logprobs_at(model, batch: TokenBatch, positions_BT: torch.Tensor, te
     """
     positions_BT = positions_BT.bool().clone()
     positions_BT[:, 0] = False  # nothing predicts the first token
-    stand_in = _FinalHiddenStates(model)
-    if batch.branch_ids_BT is None:
-        hidden_BTH = causal_forward(stand_in, batch.input_ids_BT, batch.attention_mask_BT)
-    else:  # packed rows: a trunk and branches, one forward (see TokenBatch.branch_ids_BT)
-        hidden_BTH = packed_forward(stand_in, batch.input_ids_BT, batch.position_ids_BT, batch.branch_ids_BT,
-                                    batch.attention_mask_BT.bool())
-    if not stand_in.ok:
-        name = type(stand_in.module).__name__
+    # A trained token's predictor is the position just before it in the row (packed rows too).
+    b_N, t_N = positions_BT.nonzero(as_tuple=True)
+    logits_NV = head_logits_at(model, batch.input_ids_BT, batch.attention_mask_BT, b_N, t_N - 1,
+                               batch.position_ids_BT, batch.branch_ids_BT)
+    if logits_NV is None:
+        name = type(getattr(model, "module", model)).__name__
         if name not in _WARNED:
             _WARNED.add(name)
             log.warning("%s: the LM head is not a plain linear map of the decoder's output; the student's logprobs "
                         "are computed at every position", name)
         picked_BT, full_BTV = student_logprobs(model, batch, temperature)
         picked_BT = torch.where(positions_BT, picked_BT, 0.0)
-        return picked_BT, torch.where(positions_BT[..., None], full_BTV, 0.0) if full_vocab else None
-    # A trained token's predictor is the position just before it in the row (packed rows too).
-    b_N, t_N = positions_BT.nonzero(as_tuple=True)
-    with stand_in.autocast():
-        logits_NV = stand_in.head(hidden_BTH[b_N, t_N - 1])
+        return picked_BT, TokenRows.from_dense(full_BTV, positions_BT) if full_vocab else None
     logp_NV = torch.log_softmax(logits_NV.float() / temperature, dim=-1)
     picked_N = logp_NV.gather(1, batch.input_ids_BT[b_N, t_N][:, None]).squeeze(1)
     picked_BT = logp_NV.new_zeros(positions_BT.shape).index_put((b_N, t_N), picked_N)
     if not full_vocab:
         return picked_BT, None
-    return picked_BT, logp_NV.new_zeros(*positions_BT.shape, logp_NV.shape[1]).index_put((b_N, t_N), logp_NV)
+    return picked_BT, TokenRows(positions_BT, logp_NV)
 
 
 def trained_positions_BT(batch: TokenBatch) -> torch.Tensor:
@@ -189,11 +146,11 @@ def reads_trained_positions_only(terms: list[tuple[str, float, dict]]) -> bool:
 
 
 def needs_student_distribution(batch: TokenBatch, terms: list[tuple[str, float, dict]]) -> bool:
-    """Whether a built-in loss may read ``student_logprobs_BTV``: only an exact (``topk`` /
+    """Whether a built-in loss may read ``student_logprobs_NV``: only an exact (``topk`` /
     ``full``) estimator does, which ``auto`` picks when the batch carries the teacher's top-k or
     full scores (PivotOPD's recovery rows carry top-k targets), and a term may name explicitly."""
     exact = ("topk", "full")
-    return (batch.teacher_topk_ids_BTK is not None or batch.teacher_full_logprobs_BTV is not None
+    return (batch.teacher_topk_ids_BTK is not None or batch.teacher_full_logprobs_NV is not None
             or any((args or {}).get("estimator") in exact for _, _, args in terms))
 
 
@@ -404,9 +361,10 @@ class StudentTrainer:
         return deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        """Full (gathered) weights on CPU, keyed like the HF model's ``state_dict``."""
+        """Full (gathered) weights on CPU, keyed like the HF model's ``state_dict``; a tied tensor
+        is one tensor under both names (:func:`opd.models.cpu_copy`), sent once."""
         with self._full_parameters():
-            return {k: v.detach().cpu().clone() for k, v in self.engine.module.state_dict().items()}
+            return cpu_copy(self.engine.module.state_dict())
 
     # -- checkpoints ------------------------------------------------------------------------
     @property

@@ -229,3 +229,38 @@ def test_stream_under_churn_grows_and_compacts_without_changing_any_result(fmt, 
         alone = engine.generate([prompt], params)[0]
         assert out[key].response_ids == alone.response_ids, key
         torch.testing.assert_close(torch.tensor(out[key].logprobs), torch.tensor(alone.logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_scores_equal_a_plain_forwards_log_softmax(tokenizer, tiny_model_dir, packed):
+    """The engine runs the LM head only at the scored positions; its full distributions are those
+    of the model's own forward over every position (packed: with the branch mask)."""
+    from opd.generation.base import branch_attention_mask
+
+    engine = HFEngine.from_pretrained(tiny_model_dir)
+    requests = []
+    for prompt in _prompts(tokenizer):
+        n = len(prompt)
+        sources = list(range(n - 1))
+        if packed and n >= 4:  # the last two tokens as two one-token branches at the same position
+            positions, branches = list(range(n - 1)) + [n - 2], [0] * (n - 2) + [1, 2]
+            sources = list(range(n - 2)) + [n - 3]  # both branches continue the trunk's last token
+        else:
+            positions, branches = list(range(n)), [0] * n
+        requests.append(ScoreRequest(prompt, positions, branches, list(range(1, n)), sources))
+    got = engine.score(requests, mode="full")
+    for request, scores in zip(requests, got):
+        ids_1L = torch.tensor([request.input_ids])
+        with torch.no_grad():
+            if packed:
+                mask = branch_attention_mask(torch.tensor([request.branch_ids]), torch.ones_like(ids_1L, dtype=torch.bool))
+                logits_LV = engine.model(input_ids=ids_1L, position_ids=torch.tensor([request.position_ids]),
+                                         attention_mask=mask).logits[0]
+            else:
+                logits_LV = engine.model(input_ids=ids_1L).logits[0]
+        expected_NV = torch.log_softmax(logits_LV[request.source_index].float(), -1)
+        assert scores.full_logprobs.shape == expected_NV.shape
+        torch.testing.assert_close(scores.full_logprobs, expected_NV, atol=1e-4, rtol=0)
+        targets_N = torch.tensor([request.input_ids[j] for j in request.target_index])
+        torch.testing.assert_close(torch.tensor(scores.logprobs), expected_NV.gather(1, targets_N[:, None]).squeeze(1),
+                                   atol=1e-4, rtol=0)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from opd.losses import forward_kl, gjsd, group_advantages, ppo_clip, reduce_tokens, reverse_kl, sft
-from opd.trajectory import TokenBatch
+from opd.trajectory import TokenBatch, TokenRows
 
 B, T, V, K = 2, 5, 6, 3
 MASK = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0], [0.0, 1.0, 1.0, 0.0, 0.0]])
@@ -22,10 +22,13 @@ TURNS = torch.tensor([[-1, 0, 0, 1, -1], [-1, 0, 1, -1, -1]])
 
 
 def make_batch(mode: str, temperature: float = 1.0, mask=MASK, seed: int = 0, logits=None,
-               banned: int | None = None) -> tuple[TokenBatch, torch.Tensor]:
+               banned: int | None = None, rows: str = "dense") -> tuple[TokenBatch, torch.Tensor]:
     """A batch with teacher data for ``mode`` and student logits (the leaf to differentiate).
 
-    ``banned``: a vocabulary id both models give no mass (a ``-inf`` logit)."""
+    ``banned``: a vocabulary id both models give no mass (a ``-inf`` logit). ``rows``: the
+    distributions at every position (``dense``) or, as the trainer and the teacher give them,
+    at some tokens only (``sparse``: the teacher's at the trained tokens, the student's there and
+    at one more token per row)."""
     gen = torch.Generator().manual_seed(seed)
     drawn_BTV = torch.randn(B, T, V, generator=gen) * 2
     logits_BTV = (drawn_BTV if logits is None else logits.detach()).clone().requires_grad_()
@@ -46,10 +49,17 @@ def make_batch(mode: str, temperature: float = 1.0, mask=MASK, seed: int = 0, lo
         teacher_logprobs_BT=picked(teacher_BTV),
         turn_index_BT=TURNS,
         student_logprobs_BT=picked(student_BTV),
-        student_logprobs_BTV=student_BTV,
     )
+    if rows == "dense":
+        batch = batch.with_student(batch.student_logprobs_BT, student_BTV)
+        teacher_rows = TokenRows.from_dense(teacher_BTV)
+    else:
+        extra_BT = torch.zeros(B, T, dtype=torch.bool)
+        extra_BT[:, -1] = True
+        batch = batch.with_student(batch.student_logprobs_BT, TokenRows.from_dense(student_BTV, (mask > 0) | extra_BT))
+        teacher_rows = TokenRows.from_dense(teacher_BTV, mask > 0)
     if mode == "full":
-        batch.teacher_full_logprobs_BTV = teacher_BTV
+        batch.teacher_full_logprobs_NV = teacher_rows
     if mode == "topk":
         values, ids = teacher_BTV.topk(K, -1)
         batch.teacher_topk_ids_BTK = ids
@@ -91,6 +101,7 @@ def brute_force(batch: TokenBatch, mode: str, divergence) -> float:
     return total / count
 
 
+@pytest.mark.parametrize("rows", ["dense", "sparse"])
 @pytest.mark.parametrize("mode", ["topk", "full"])
 @pytest.mark.parametrize(
     "loss_fn, args, divergence",
@@ -104,8 +115,8 @@ def brute_force(batch: TokenBatch, mode: str, divergence) -> float:
     ],
     ids=["reverse_kl", "forward_kl", "gjsd0.5", "gjsd0.2", "gjsd0", "gjsd1"],
 )
-def test_divergences_equal_brute_force(mode, loss_fn, args, divergence):
-    batch, _ = make_batch(mode)
+def test_divergences_equal_brute_force(mode, loss_fn, args, divergence, rows):
+    batch, _ = make_batch(mode, rows=rows)
     loss, metrics = loss_fn(batch, args)
     expected = brute_force(batch, mode, divergence)
     assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)

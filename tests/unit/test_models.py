@@ -33,3 +33,24 @@ def test_tiny_qwen3_is_seeded_and_round_trips_through_safetensors(tokenizer, tmp
     assert (tmp_path / "model.safetensors").is_file() and not list(tmp_path.glob("*.bin"))
     loaded = load_model(str(tmp_path)).state_dict()
     assert all((loaded[k] == sa[k]).all() for k in sa)
+
+
+def test_cpu_copy_carries_a_tied_tensor_once(tiny_model_dir):
+    """The LM head tied to the embeddings is one copy under both names, so a pickle (Ray's object
+    store) carries its bytes once; every value equals the model's."""
+    import pickle
+
+    import torch
+
+    from opd.models import cpu_copy
+
+    state = load_model(tiny_model_dir).state_dict()
+    copy = cpu_copy(state)
+    assert copy.keys() == state.keys() and all(torch.equal(copy[k], state[k]) for k in state)
+    assert copy["lm_head.weight"] is copy["model.embed_tokens.weight"]
+    assert copy["lm_head.weight"].data_ptr() != state["lm_head.weight"].data_ptr()  # a copy, not a view
+    embed_bytes = state["lm_head.weight"].numel() * 4
+    separate = len(pickle.dumps({k: v.clone() for k, v in state.items()}))
+    assert len(pickle.dumps(copy)) == pytest.approx(separate - embed_bytes, rel=0.01)
+    restored = pickle.loads(pickle.dumps(copy))
+    assert restored["lm_head.weight"] is restored["model.embed_tokens.weight"]

@@ -150,7 +150,7 @@ def test_terms_fold_into_one_loss_with_ppo_and_micro_batches_add_up():
         torch.manual_seed(1)
         full = batch_of(logits_BTV.detach()).with_totals(micro_batches=2).select(rows)
         micro = _batch(micro_logits, ids_BT[rows], **{k: v for k, v in full.__dict__.items()
-                                                     if k not in ("input_ids_BT", "student_logprobs_BT", "student_logprobs_BTV")})
+                                                     if k not in ("input_ids_BT", "student_logprobs_BT", "student_logprobs_NV")})
         part = combined_loss(micro, terms)[0] / 2
         total = part if total is None else total + part
     (got,) = torch.autograd.grad(total, logits_BTV)
