@@ -18,8 +18,13 @@ Security posture of a local run (no ``RAY_ADDRESS``):
   installed package or opd itself.
 
 With ``RAY_ADDRESS`` set the driver joins that cluster as it is: its addresses and its
-authentication belong to whoever started it (a client of a token cluster needs
-``RAY_AUTH_MODE=token`` and the cluster's token). The workers' import order is the same.
+authentication belong to whoever started it (:func:`join_ray`). ``ray start --head`` turns token
+authentication on and writes the token to ``~/.ray/auth_token``, but a client that names an
+address gets no token unless ``RAY_AUTH_MODE=token`` is set (Ray then retries for 30 s and raises
+a ``ConnectionError``). So a join of a cluster on this machine, with ``RAY_AUTH_MODE`` unset and a
+token at hand, sends the token; a remote cluster gets it only when the user sets the mode (the
+token is a secret: it goes where the user sends it). A join that fails says what to set. The
+workers' import order is the same.
 
 **A quiet console.** The actors' output still reaches the driver (``log_to_driver``), so an
 actor's own error lines and prints are shown; what is switched off is other tools' chatter:
@@ -76,7 +81,7 @@ def init_ray(resources: Any) -> None:
     _skip_dedup_advice()
     runtime_env = worker_runtime_env()
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
+        join_ray(os.environ["RAY_ADDRESS"], runtime_env)
         return
     _enable_token_auth()
     with _local_only():
@@ -91,6 +96,113 @@ def init_ray(resources: Any) -> None:
                            "reachable from the network, so the run stops. opd's switch for a loopback-only Ray "
                            "(ray._private.ray_constants.ENABLE_RAY_CLUSTER) no longer works with this Ray; install "
                            "the Ray opd was tested with (pip install 'ray==2.60.0').")
+
+
+def join_ray(address: str, runtime_env: dict[str, Any]) -> None:
+    """Join the running cluster at ``address`` (``RAY_ADDRESS``), with its token when it is on
+    this machine and one is at hand (see the module docstring).
+
+    Raises:
+        ConnectionError: the cluster could not be joined; the message names the address, Ray's
+            reason and, where authentication may be why, what to set.
+    """
+    import ray
+
+    token_sent = False
+    if os.environ.get("RAY_AUTH_MODE") is None and is_this_machine(address) and _token_at_hand():
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth as enable
+
+        enable()  # RAY_AUTH_MODE=token for this process and the Ray processes it starts
+        token_sent = True
+        log.info("joining the Ray cluster at %s with token authentication (the token of this machine's user)", address)
+    # Ray rewrites a loopback address to this machine's routable IP (see _local_only), which a
+    # head started on loopback does not listen on: then the join would retry for ever.
+    loopback_head = _is_loopback(address) and _listening(address)
+    if not address.startswith("ray://") and not loopback_head and not _listening(_routable(address)):
+        raise ConnectionError(f"could not join the Ray cluster at RAY_ADDRESS={address}: nothing accepts connections "
+                              f"there. Start the head (`ray start --head --port {_host_port(address)[1]}`) or correct "
+                              "RAY_ADDRESS; unset it to run on a Ray of opd's own on this machine.")
+    try:
+        with _local_only() if loopback_head else contextlib.nullcontext():
+            ray.init(address=address, runtime_env=runtime_env, log_to_driver=True,
+                     **({"_node_ip_address": LOOPBACK} if loopback_head else {}))
+    except (ConnectionError, RuntimeError) as err:
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        mode = os.environ.get("RAY_AUTH_MODE")
+        if token_sent or (mode or "").lower() == "token":
+            advice = ("The token sent may not be the cluster's: set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the "
+                      "head node's token (`ray get-auth-token` there, or its ~/.ray/auth_token).")
+        else:
+            advice = ("If the cluster uses token authentication (`ray start` turns it on), set RAY_AUTH_MODE=token "
+                      "and RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the head node's token (`ray get-auth-token` "
+                      "there, or its ~/.ray/auth_token).")
+        raise ConnectionError(f"could not join the Ray cluster at RAY_ADDRESS={address}: {cause}. Check that the head "
+                              f"is running there (`ray status --address {address}`). {advice} Unset RAY_ADDRESS to "
+                              "run on a Ray of opd's own on this machine.") from err
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    return host.strip("[]"), int(port) if port.isdigit() else 6379
+
+
+def _is_loopback(address: str) -> bool:
+    import ipaddress
+    import socket
+
+    try:
+        return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback
+                   for info in socket.getaddrinfo(_host_port(address)[0], None))
+    except (OSError, ValueError):
+        return False
+
+
+def _routable(address: str) -> str:
+    """``address`` as Ray will dial it: a loopback host becomes this machine's routable IP."""
+    if not _is_loopback(address):
+        return address
+    import ray
+
+    return f"{ray.util.get_node_ip_address()}:{_host_port(address)[1]}"
+
+
+def _listening(address: str, timeout_s: float = 5.0) -> bool:
+    """Whether something accepts TCP connections at ``host:port`` within ``timeout_s``."""
+    import socket
+
+    host, port = _host_port(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def is_this_machine(address: str) -> bool:
+    """Whether ``address`` (``host:port``, or ``ray://host:port``) names this machine: a loopback
+    host, this host's name, or one of its interfaces' addresses."""
+    import socket
+
+    host = _host_port(address)[0]
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()) or _is_loopback(address):
+        return True
+    try:
+        import psutil
+
+        resolved = {info[4][0].split("%")[0] for info in socket.getaddrinfo(host, None)}
+        own = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+    except (ImportError, OSError):
+        return False
+    return bool(resolved & own)
+
+
+def _token_at_hand() -> bool:
+    """Whether a Ray token is set (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``) or saved
+    (``~/.ray/auth_token``, which ``ray start`` writes)."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return True
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    return Path(path).expanduser().is_file()
 
 
 def worker_runtime_env() -> dict[str, Any]:
