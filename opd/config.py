@@ -474,7 +474,7 @@ def _validate_env(env: Any, source: str) -> None:
 
 def _validate_resources(res: Any, source: str) -> None:
     if os.environ.get("RAY_ADDRESS"):
-        return  # a cluster's capacity is checked by Ray when the actors are placed
+        return  # a cluster's capacity is checked when the roles are placed (opd.runtime.placement)
     cpus_here = os.cpu_count() or 1
     if res.num_cpus > cpus_here:
         raise ConfigError(

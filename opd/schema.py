@@ -223,6 +223,10 @@ class ResourcesConfig:
     torch_threads: int = 0  # intra-op threads per actor; 0: the machine's core count
     actor_timeout_s: float = 3600.0  # an actor call (a step's rollouts, scoring, training, a checkpoint)
     # that has not answered after this long counts as hung: the run stops, its last checkpoint intact
+    placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"  # each role's placement group:
+    # its actors on as few nodes as fit (pack), as many as possible (spread), one node (strict_pack), one node each (strict_spread)
+    placement_timeout_s: float = 60.0  # how long to wait for resources the cluster has but others hold;
+    # a request no node can hold fails at once
 
 
 @dataclass
@@ -304,5 +308,6 @@ BOUNDS: dict[type, dict[str, Bound]] = {
                 "async_steps": Bound(0, 1)},
     ResourcesConfig: {"num_cpus": _CPUS, "teacher_cpus": _CPUS, "rollout_cpus": _CPUS, "trainer_cpus": _CPUS,
                       "teacher_gpus": _GPUS, "rollout_gpus": _GPUS, "trainer_gpus": _GPUS,
-                      "torch_threads": Bound(0, 100_000), "actor_timeout_s": Bound(0, 10**7, low_strict=True)},
+                      "torch_threads": Bound(0, 100_000), "actor_timeout_s": Bound(0, 10**7, low_strict=True),
+                      "placement_timeout_s": Bound(0, 10**7, low_strict=True)},
 }

@@ -235,22 +235,35 @@ def role_arguments(cfg: Any, student_path: str, teacher_path: str) -> tuple[int,
 
 
 def spawn_workers(cfg: Any, student_path: str, teacher_path: str) -> RayWorkers:
-    """Create the teacher, rollout and trainer actors with the recipe's resource shares."""
+    """Create the teacher, rollout and trainer actors with the recipe's resource shares, each in
+    its role's placement group (:mod:`opd.runtime.placement`).
+
+    Raises:
+        opd.runtime.placement.PlacementError: the cluster cannot hold a role's request.
+    """
     import ray
 
     from opd.training.trainer import StudentTrainer
 
+    from opd.runtime.placement import actor_options, reserve, role_requests
+
     res = cfg.resources
     threads, teacher_args, rollout_args, trainer_args = role_arguments(cfg, student_path, teacher_path)
+    # Each role's resources are reserved first (a placement group per role, refused at once when
+    # the cluster cannot hold it); the actors then start inside their groups.
+    groups = reserve(role_requests(res), timeout_s=res.placement_timeout_s)
     # Ray would set OMP_NUM_THREADS to an actor's (rounded-down) CPU share; on a small machine
     # the phases run one after another, so each actor may use every core while it works.
     thread_env = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
     teacher_actor = ray.remote(TeacherWorker).options(
-        num_cpus=res.teacher_cpus, num_gpus=res.teacher_gpus, runtime_env=thread_env).remote(*teacher_args)
+        num_cpus=res.teacher_cpus, num_gpus=res.teacher_gpus, runtime_env=thread_env,
+        **actor_options(groups["teacher"])).remote(*teacher_args)
     rollout_actor = ray.remote(RolloutWorker).options(
-        num_cpus=res.rollout_cpus, num_gpus=res.rollout_gpus, runtime_env=thread_env).remote(*rollout_args)
+        num_cpus=res.rollout_cpus, num_gpus=res.rollout_gpus, runtime_env=thread_env,
+        **actor_options(groups["rollout"])).remote(*rollout_args)
     trainer_actor = ray.remote(StudentTrainer).options(
-        num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus, runtime_env=thread_env).remote(*trainer_args)
+        num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus, runtime_env=thread_env,
+        **actor_options(groups["trainer"])).remote(*trainer_args)
     return RayWorkers(teacher=teacher_actor, rollout=rollout_actor, trainer=trainer_actor, timeout_s=res.actor_timeout_s)
 
 
