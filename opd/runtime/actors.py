@@ -140,6 +140,13 @@ class RayWorkers:
     rollout: Any
     trainer: Any
     timeout_s: float | None = None
+    groups: dict[str, Any] | None = None  # each role's placement group (opd.runtime.placement)
+
+    def placement(self) -> dict[str, list[dict[str, str]]]:
+        """The node of each role's actors (``{role: [{"node_id", "node_ip"}]}``)."""
+        from opd.runtime.placement import group_nodes
+
+        return group_nodes(self.groups) if self.groups else {}
 
     def _host(self, who: Role) -> tuple[str, Any]:
         return ("rollout", self.rollout) if who == "student" else ("teacher", self.teacher)
@@ -264,7 +271,8 @@ def spawn_workers(cfg: Any, student_path: str, teacher_path: str) -> RayWorkers:
     trainer_actor = ray.remote(StudentTrainer).options(
         num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus, runtime_env=thread_env,
         **actor_options(groups["trainer"])).remote(*trainer_args)
-    return RayWorkers(teacher=teacher_actor, rollout=rollout_actor, trainer=trainer_actor, timeout_s=res.actor_timeout_s)
+    return RayWorkers(teacher=teacher_actor, rollout=rollout_actor, trainer=trainer_actor, timeout_s=res.actor_timeout_s,
+                      groups=groups)
 
 
 def local_teacher_player(cfg: Any, log: Callable[[str], None]) -> Callable[[list[str]], list[Trajectory]]:

@@ -134,11 +134,17 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
     eval_tasks = probe.unwrapped.task_ids(cfg.env.eval_split)[: cfg.run.eval_episodes]
     probe.close()
 
+    placement: dict[str, list[dict[str, str]]] = {}  # the node of each role's actors (Ray only)
     if cfg.run.backend == "local":  # the same roles in this process, without Ray (opd.runtime.local)
         workers = spawn_local_workers(cfg, student_path, teacher_path)
     else:
         init_ray(cfg.resources)
         workers = spawn_workers(cfg, student_path, teacher_path)
+        placement = workers.placement()
+        if len({n["node_id"] for nodes in placement.values() for n in nodes}) > 1:
+            log("roles on nodes: " + "; ".join(
+                f"{role} on " + ", ".join(f"{n['node_ip']} ({n['node_id'][:8]})" for n in nodes)
+                for role, nodes in placement.items()))
     ctx = RunContext(cfg, workers, env_factory, train_tasks, eval_tasks,
                      episode_settings(cfg, cfg.rollout.temperature), episode_settings(cfg, 0.0, cfg.run.eval_history), fmt,
                      RunEpisodes(run_dir, {"student": student_tok, "teacher": teacher_tok},
@@ -218,6 +224,7 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
         "eval_episodes": len(eval_tasks),
         "run_dir": str(run_dir),
         "time_split": _time_split(run_dir / "metrics.jsonl"),
+        **({"placement": placement} if placement else {}),
     }
     atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     metrics.close(summary)

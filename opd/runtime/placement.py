@@ -173,3 +173,18 @@ def actor_options(group: Any, bundle_index: int = 0) -> dict[str, Any]:
 
     return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
         placement_group=group, placement_group_bundle_index=bundle_index)}
+
+
+def group_nodes(groups: dict[str, Any]) -> dict[str, list[dict[str, str]]]:
+    """Where each role's bundles landed: ``{role: [{"node_id", "node_ip"}, ...]}`` (one entry per
+    bundle, in order), from Ray's placement-group table."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    ips = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}
+    out: dict[str, list[dict[str, str]]] = {}
+    for role, group in groups.items():
+        table = placement_group_table(group)
+        nodes = table.get("bundles_to_node_id", {})
+        out[role] = [{"node_id": nodes.get(i, ""), "node_ip": ips.get(nodes.get(i, ""), "")} for i in sorted(nodes)]
+    return out
