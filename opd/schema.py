@@ -197,6 +197,8 @@ class RunConfig:
     trajectory_episodes: int = 4  # episodes in each such sample (the first ones of the step)
     backend: Literal["ray", "local"] = "ray"  # ray: three actors; local: the same roles in this process, no Ray (pdb)
     async_steps: int = 0  # 1: step k+1's rollout runs while step k is scored and trained (weights one update stale)
+    max_restarts: int = 2  # an actor that dies (its process killed): the run restarts every role from the last
+    # complete checkpoint and goes on, this many times; then it stops, naming the actor (Ray backend)
 
 
 @dataclass
@@ -305,7 +307,7 @@ BOUNDS: dict[type, dict[str, Bound]] = {
     RunConfig: {"total_steps": Bound(1, 10**9), "seed": _SEED, "eval_every_steps": Bound(0, 10**9),
                 "eval_episodes": _COUNT, "save_every_steps": Bound(0, 10**9), "keep_checkpoints": Bound(1, 10_000),
                 "trajectory_every_steps": Bound(0, 10**9), "trajectory_episodes": Bound(1, 100_000),
-                "async_steps": Bound(0, 1)},
+                "async_steps": Bound(0, 1), "max_restarts": Bound(0, 1000)},
     ResourcesConfig: {"num_cpus": _CPUS, "teacher_cpus": _CPUS, "rollout_cpus": _CPUS, "trainer_cpus": _CPUS,
                       "teacher_gpus": _GPUS, "rollout_gpus": _GPUS, "trainer_gpus": _GPUS,
                       "torch_threads": Bound(0, 100_000), "actor_timeout_s": Bound(0, 10**7, low_strict=True),

@@ -142,6 +142,21 @@ class RayWorkers:
     timeout_s: float | None = None
     groups: dict[str, Any] | None = None  # each role's placement group (opd.runtime.placement)
 
+    def shutdown(self) -> None:
+        """End the actors (the dead included) and free their placement groups, so that the roles
+        can be started again in this Ray session."""
+        import ray
+
+        for actor in (self.teacher, self.rollout, self.trainer):
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        if self.groups:
+            from ray.util.placement_group import remove_placement_group
+
+            for group in self.groups.values():
+                with contextlib.suppress(Exception):
+                    remove_placement_group(group)
+
     def placement(self) -> dict[str, list[dict[str, str]]]:
         """The node of each role's actors (``{role: [{"node_id", "node_ip"}]}``)."""
         from opd.runtime.placement import group_nodes
@@ -161,7 +176,7 @@ class RayWorkers:
             with contextlib.suppress(Exception):  # best effort: the run stops and Ray's shutdown ends the actor
                 ray.cancel(ref)
             raise WorkerError(role, f"the {role} did not finish {call} within {self.timeout_s:g} s "
-                              "(resources.actor_timeout_s); it is hung or far slower than expected") from None
+                              "(resources.actor_timeout_s); it is hung or far slower than expected", kind="hung") from None
         except rex.RayTaskError as exc:
             cause = exc.cause if isinstance(exc.cause, BaseException) else None
             what = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc).splitlines()[0]
@@ -169,7 +184,8 @@ class RayWorkers:
         except rex.RayActorError as exc:
             reason = str(exc).strip().splitlines()
             raise WorkerError(role, f"the {role} actor died during {call}"
-                              f"{': ' + _plain(reason[0])[:300] if reason else ''}", None, _plain(str(exc))) from None
+                              f"{': ' + _plain(reason[0])[:300] if reason else ''}", None, _plain(str(exc)),
+                              kind="died") from None
 
     def collect(self, who: Role, env_factory, tasks: list[str], settings, seed: int):
         role, host = self._host(who)

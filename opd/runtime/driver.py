@@ -39,7 +39,8 @@ RESUMABLE_KEYS = ("run.total_steps", "run.eval_every_steps", "run.save_every_ste
                   "run.output_dir", "run.trajectory_every_steps", "run.trajectory_episodes",
                   "resources.actor_timeout_s", "logging.wandb_project", "logging.wandb_mode", "logging.mlflow",
                   "run.backend",  # the same run on Ray or in one process (resume a step under pdb)
-                  "run.async_steps")  # overlap or not: the resumed step rolls out with the checkpoint's weights either way
+                  "run.async_steps",  # overlap or not: the resumed step rolls out with the checkpoint's weights either way
+                  "run.max_restarts"),
 
 
 class MetricsLog:
@@ -76,7 +77,38 @@ def _line_step(line: str) -> int:
 
 
 def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]:
-    """Run the recipe; returns the summary (also written to ``summary.json``)."""
+    """Run the recipe; returns the summary (also written to ``summary.json``).
+
+    An actor whose process dies (killed, out of memory, its node lost) ends that attempt; the run
+    then ends every role's actors and starts them again from the last complete checkpoint (a
+    resume, with its exact metrics and weights), up to ``run.max_restarts`` times. An exception
+    raised inside an actor (a bug, a NaN policy) or a hung call is not retried: it would recur.
+    """
+    log = console.log if console is not None else print
+    spawned: dict[str, Any] = {}
+    restarts = 0
+    while True:
+        try:
+            return _train_once(cfg, resume, console, spawned)
+        except WorkerError as exc:
+            if exc.kind != "died":
+                raise
+            if restarts >= cfg.run.max_restarts:
+                exc.add_note(f"no restart left (run.max_restarts={cfg.run.max_restarts})" if restarts == 0 else
+                             f"after {restarts} restart(s), run.max_restarts={cfg.run.max_restarts}")
+                raise
+            restarts += 1
+            last = complete_checkpoints(Path(cfg.run.output_dir))
+            log(f"[yellow]{exc}[/]; restarting every role from "
+                f"{last[-1].name if last else 'the beginning (no checkpoint yet)'} "
+                f"(restart {restarts} of {cfg.run.max_restarts}, run.max_restarts)")
+            if spawned.get("workers") is not None:
+                spawned.pop("workers").shutdown()
+            resume = True
+
+
+def _train_once(cfg: Any, resume: bool, console: Any, spawned: dict[str, Any]) -> dict[str, Any]:
+    """One attempt of :func:`train`; the Ray workers it starts go in ``spawned["workers"]``."""
     from opd.algorithms import get_algorithm
     from opd.algorithms.base import RunContext, StepRollouts
     from opd.chat import ChatFormat
@@ -139,7 +171,7 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
         workers = spawn_local_workers(cfg, student_path, teacher_path)
     else:
         init_ray(cfg.resources)
-        workers = spawn_workers(cfg, student_path, teacher_path)
+        workers = spawned["workers"] = spawn_workers(cfg, student_path, teacher_path)
         placement = workers.placement()
         if len({n["node_id"] for nodes in placement.values() for n in nodes}) > 1:
             log("roles on nodes: " + "; ".join(

@@ -30,10 +30,14 @@ class WorkerError(RunError):
         cause: the exception raised inside the actor, when Ray could bring it back (``None`` for
             a dead or hung actor).
         detail: the remote traceback or Ray's account of the death, for the log.
+        kind: ``raised`` (an exception inside the actor), ``died`` (its process is gone) or
+            ``hung`` (no answer within ``resources.actor_timeout_s``).
     """
 
-    def __init__(self, role: str, message: str, cause: BaseException | None = None, detail: str = ""):
+    def __init__(self, role: str, message: str, cause: BaseException | None = None, detail: str = "",
+                 kind: str = "raised"):
         super().__init__(message, resumable=True)
         self.role = role
         self.cause = cause
         self.detail = detail
+        self.kind = kind
