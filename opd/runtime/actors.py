@@ -22,6 +22,7 @@ import contextlib
 import os
 import re
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -142,6 +143,14 @@ class RayWorkers:
     timeout_s: float | None = None
     groups: dict[str, Any] | None = None  # each role's placement group (opd.runtime.placement)
 
+    def __post_init__(self) -> None:
+        # The groups live as long as this handle, as the actors do (Ray ends an actor whose last
+        # handle is gone): a driver that runs recipe after recipe does not leave reservations behind.
+        if self.groups:
+            from opd.runtime.placement import release
+
+            weakref.finalize(self, release, list(self.groups.values()))
+
     def shutdown(self) -> None:
         """End the actors (the dead included) and free their placement groups, so that the roles
         can be started again in this Ray session."""
@@ -151,11 +160,9 @@ class RayWorkers:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
         if self.groups:
-            from ray.util.placement_group import remove_placement_group
+            from opd.runtime.placement import release
 
-            for group in self.groups.values():
-                with contextlib.suppress(Exception):
-                    remove_placement_group(group)
+            release(list(self.groups.values()))
 
     def placement(self) -> dict[str, list[dict[str, str]]]:
         """The node of each role's actors (``{role: [{"node_id", "node_ip"}]}``)."""

@@ -40,7 +40,7 @@ RESUMABLE_KEYS = ("run.total_steps", "run.eval_every_steps", "run.save_every_ste
                   "resources.actor_timeout_s", "logging.wandb_project", "logging.wandb_mode", "logging.mlflow",
                   "run.backend",  # the same run on Ray or in one process (resume a step under pdb)
                   "run.async_steps",  # overlap or not: the resumed step rolls out with the checkpoint's weights either way
-                  "run.max_restarts"),
+                  "run.max_restarts", "resources.placement_timeout_s")
 
 
 class MetricsLog:
@@ -87,24 +87,28 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
     log = console.log if console is not None else print
     spawned: dict[str, Any] = {}
     restarts = 0
-    while True:
-        try:
-            return _train_once(cfg, resume, console, spawned)
-        except WorkerError as exc:
-            if exc.kind != "died":
-                raise
-            if restarts >= cfg.run.max_restarts:
-                exc.add_note(f"no restart left (run.max_restarts={cfg.run.max_restarts})" if restarts == 0 else
-                             f"after {restarts} restart(s), run.max_restarts={cfg.run.max_restarts}")
-                raise
-            restarts += 1
-            last = complete_checkpoints(Path(cfg.run.output_dir))
-            log(f"[yellow]{exc}[/]; restarting every role from "
-                f"{last[-1].name if last else 'the beginning (no checkpoint yet)'} "
-                f"(restart {restarts} of {cfg.run.max_restarts}, run.max_restarts)")
-            if spawned.get("workers") is not None:
-                spawned.pop("workers").shutdown()
-            resume = True
+    try:
+        while True:
+            try:
+                return _train_once(cfg, resume, console, spawned)
+            except WorkerError as exc:
+                if exc.kind != "died":
+                    raise
+                if restarts >= cfg.run.max_restarts:
+                    exc.add_note(f"no restart left (run.max_restarts={cfg.run.max_restarts})" if restarts == 0 else
+                                 f"after {restarts} restart(s), run.max_restarts={cfg.run.max_restarts}")
+                    raise
+                restarts += 1
+                last = complete_checkpoints(Path(cfg.run.output_dir))
+                log(f"[yellow]{exc}[/]; restarting every role from "
+                    f"{last[-1].name if last else 'the beginning (no checkpoint yet)'} "
+                    f"(restart {restarts} of {cfg.run.max_restarts}, run.max_restarts)")
+                if spawned.get("workers") is not None:
+                    spawned.pop("workers").shutdown()
+                resume = True
+    finally:  # the run's actors and their reservations end with it, whatever the outcome
+        if spawned.get("workers") is not None:
+            spawned.pop("workers").shutdown()
 
 
 def _train_once(cfg: Any, resume: bool, console: Any, spawned: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,7 +152,8 @@ def reserve(requests: list[RoleRequest], timeout_s: float) -> dict[str, Any]:
     from ray.util.placement_group import placement_group, remove_placement_group
 
     check_feasible(requests, cluster_nodes())
-    groups = {r.role: placement_group(list(r.bundles), strategy=r.strategy.upper(), name=f"opd-{r.role}")
+    run = uuid.uuid4().hex[:8]  # names are unique within a Ray job, and one driver may run several recipes
+    groups = {r.role: placement_group(list(r.bundles), strategy=r.strategy.upper(), name=f"opd-{r.role}-{run}")
               for r in requests}
     start = time.monotonic()
     pending = {role: group.ready() for role, group in groups.items()}
@@ -165,6 +167,20 @@ def reserve(requests: list[RoleRequest], timeout_s: float) -> dict[str, Any]:
                              f"(resources.placement_timeout_s): the cluster has the resources, but they are in use "
                              f"(`ray status` shows by what). Free them, or raise the timeout.")
     return groups
+
+
+def release(groups: list[Any]) -> None:
+    """Remove ``groups`` (best effort: a group already gone, or Ray already shut down, is fine)."""
+    import contextlib
+
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    if not ray.is_initialized():
+        return
+    for group in groups:
+        with contextlib.suppress(Exception):
+            remove_placement_group(group)
 
 
 def actor_options(group: Any, bundle_index: int = 0) -> dict[str, Any]:
