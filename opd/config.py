@@ -351,6 +351,15 @@ def validate(cfg: Any, source: str = "config") -> None:
             f"{source}: key 'trainer.micro_batch_size' ({trainer.micro_batch_size}) must divide "
             f"'rollout.episodes_per_step' ({rollout.episodes_per_step})."
         )
+    res = cfg.resources
+    many = [f"resources.{key}={getattr(res, key)}" for key in ("teacher_replicas", "rollout_replicas", "trainer_ranks")
+            if getattr(res, key) > 1]
+    if many and cfg.run.backend == "local":
+        raise ConfigError(f"{source}: {', '.join(many)} with 'run.backend: local', which runs one of each role in this "
+                          "process; use run.backend: ray, or set them to 1.")
+    if res.trainer_ranks > 1 and trainer.engine == "torch":
+        raise ConfigError(f"{source}: key 'resources.trainer_ranks' is {res.trainer_ranks}, but 'trainer.engine: torch' "
+                          "trains on one rank; use trainer.engine: deepspeed (ZeRO stage from trainer.zero_stage).")
     if cfg.run.async_steps and not algorithm.pipelines:
         pipelined = sorted(name for name in ALGORITHMS if get_algorithm(name).pipelines)
         raise ConfigError(f"{source}: key 'run.async_steps' is {cfg.run.async_steps}, but algorithm {cfg.algorithm!r} "

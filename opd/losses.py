@@ -147,9 +147,10 @@ def reduce_tokens(values_BT: torch.Tensor, batch: TokenBatch, cfg: Mapping[str, 
 
     Token weights (:func:`token_weights_BT`) multiply the values; the denominator still counts
     units, so weights change the balance, not the scale. When ``batch.totals`` is set (the
-    trainer sets it before splitting into micro-batches), the denominator is the whole batch's
-    count and the result is scaled by the number of micro-batches: the gradients accumulated over
-    the micro-batches (which DeepSpeed divides by their number) equal those of the whole batch.
+    trainer sets it before splitting into micro-batches and among its ranks), the denominator is
+    the whole batch's count and the result is scaled by the number of micro-batches and of ranks:
+    the gradients accumulated over the micro-batches (which DeepSpeed divides by their number) and
+    averaged over the ranks equal those of the whole batch.
 
     Shapes: ``values_BT`` ``[B, T]`` (anything off the mask, even NaN, is ignored); returns a
     scalar.
@@ -170,7 +171,7 @@ def reduce_tokens(values_BT: torch.Tensor, batch: TokenBatch, cfg: Mapping[str, 
         local = (counts > 0).sum()
     totals = batch.totals
     denominator = totals[{"token": "tokens", "turn": "turns", "sequence": "sequences"}[level]] if totals else float(local)
-    scale = totals["micro_batches"] if totals else 1.0
+    scale = totals["micro_batches"] * totals.get("ranks", 1.0) if totals else 1.0
     total = torch.where(mask_BT, values_BT * weight_BT * unit_BT, 0.0).sum()
     return total * (scale / max(denominator, 1.0))
 

@@ -222,6 +222,10 @@ class ResourcesConfig:
     teacher_gpus: float = 0.0  # GPUs of the TeacherWorker actor
     rollout_gpus: float = 0.0  # GPUs of the RolloutWorker actor
     trainer_gpus: float = 0.0  # GPUs of the StudentTrainer actor
+    teacher_replicas: int = 1  # teacher actors; a step's trajectories are scored shared among them
+    rollout_replicas: int = 1  # rollout actors; a step's episodes are played shared among them
+    trainer_ranks: int = 1  # trainer actors: one DeepSpeed group (trainer.zero_stage) over them, the
+    # batch split among them; the <role>_cpus / <role>_gpus above are per actor
     torch_threads: int = 0  # intra-op threads per actor; 0: the machine's core count
     actor_timeout_s: float = 3600.0  # an actor call (a step's rollouts, scoring, training, a checkpoint)
     # that has not answered after this long counts as hung: the run stops, its last checkpoint intact
@@ -311,5 +315,6 @@ BOUNDS: dict[type, dict[str, Bound]] = {
     ResourcesConfig: {"num_cpus": _CPUS, "teacher_cpus": _CPUS, "rollout_cpus": _CPUS, "trainer_cpus": _CPUS,
                       "teacher_gpus": _GPUS, "rollout_gpus": _GPUS, "trainer_gpus": _GPUS,
                       "torch_threads": Bound(0, 100_000), "actor_timeout_s": Bound(0, 10**7, low_strict=True),
-                      "placement_timeout_s": Bound(0, 10**7, low_strict=True)},
+                      "placement_timeout_s": Bound(0, 10**7, low_strict=True), "teacher_replicas": Bound(1, 4_096),
+                      "rollout_replicas": Bound(1, 4_096), "trainer_ranks": Bound(1, 4_096)},
 }

@@ -247,7 +247,7 @@ class TokenBatch:
             predictor is still the token just before it in the row. ``None``: plain sequences.
         totals: normalisers of the whole optimizer batch, kept by :meth:`select` so a loss on a
             micro-batch is normalised as if it saw the whole batch: ``tokens``, ``turns``,
-            ``sequences`` and ``micro_batches`` (see :func:`opd.losses.reduce_tokens`).
+            ``sequences``, ``micro_batches`` and ``ranks`` (see :func:`opd.losses.reduce_tokens`).
 
     Every optional field is ``None`` when the run does not produce it.
     """
@@ -336,14 +336,16 @@ class TokenBatch:
         width = int(self.turn_index_BT.max().clamp(min=0)) + 1
         return rows_B1 * width + self.turn_index_BT.clamp(min=0)
 
-    def with_totals(self, micro_batches: int = 1) -> "TokenBatch":
-        """This batch with :attr:`totals` counted over it (call before splitting into micro-batches).
+    def with_totals(self, micro_batches: int = 1, ranks: int = 1) -> "TokenBatch":
+        """This batch with :attr:`totals` counted over it (call before splitting into micro-batches
+        and among trainer ranks): ``micro_batches`` and ``ranks`` are what the training engine
+        divides each micro-batch's gradient by (accumulation steps, data-parallel averaging).
 
         The counts of ``loss_mask_BT`` are ``tokens``, ``turns`` and ``sequences``; those of a
         named mask (:attr:`masks_BT`) are prefixed with its name, e.g. ``pivot:tokens`` (see
         :meth:`restricted_to`).
         """
-        totals = {**self._counts(self.loss_mask_BT), "micro_batches": float(micro_batches)}
+        totals = {**self._counts(self.loss_mask_BT), "micro_batches": float(micro_batches), "ranks": float(ranks)}
         for name, mask_BT in (self.masks_BT or {}).items():
             totals.update({f"{name}:{k}": v for k, v in self._counts(mask_BT).items()})
         return replace(self, totals=totals)
@@ -367,6 +369,7 @@ class TokenBatch:
         if self.totals is not None:
             totals = {k: self.totals[f"{name}:{k}"] for k in ("tokens", "turns", "sequences")}
             totals["micro_batches"] = self.totals["micro_batches"]
+            totals["ranks"] = self.totals.get("ranks", 1.0)
         return replace(self, loss_mask_BT=mask_BT, totals=totals)
 
     @staticmethod

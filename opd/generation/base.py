@@ -37,6 +37,9 @@ class SamplingParams:
             (temperature 1 when greedy).
         stop_token_ids: a response ends right after one of these (it is kept in the response).
         seed: seeds the sampler; the same prompts, params and weights give the same samples.
+        seeds: one seed per prompt, in place of ``seed``: each prompt samples from its own
+            stream, so its samples do not depend on which other prompts share the call (how a
+            step's episodes stay the same whatever the number of rollout replicas).
         n: samples per prompt; ``generate`` returns them prompt-major (``n`` per prompt in a row).
         stop: strings that end a response once its decoded text (special tokens skipped)
             contains one; the response ends with the token that completes it (kept, like a stop
@@ -49,6 +52,16 @@ class SamplingParams:
     seed: int = 0
     n: int = 1
     stop: tuple[str, ...] = ()
+    seeds: tuple[int, ...] | None = None
+
+    def prompt_seeds(self, prompts: int) -> list[int] | None:
+        """Each of the ``prompts * n`` requests' own seed (prompt-major), or ``None`` without
+        :attr:`seeds`."""
+        if self.seeds is None:
+            return None
+        if len(self.seeds) != prompts:
+            raise ValueError(f"SamplingParams.seeds has {len(self.seeds)} seeds for {prompts} prompts")
+        return [s * 7919 + j if self.n > 1 else s for s in self.seeds for j in range(self.n)]
 
 
 @dataclass

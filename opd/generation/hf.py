@@ -60,14 +60,20 @@ class HFEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer: build it with HFEngine.from_pretrained "
                              "or pass tokenizer=")
+        seeds = params.prompt_seeds(len(prompts))
+        # One stream for the call, or (with params.seeds) one per request: its samples then do
+        # not depend on the other prompts of the call.
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
         prompts = [p for p in prompts for _ in range(params.n)]
         out: list[Completion] = []
         for start in range(0, len(prompts), self.max_batch_size):
-            out += self._generate_batch(prompts[start : start + self.max_batch_size], params, generator)
+            chunk = slice(start, start + self.max_batch_size)
+            own = None if seeds is None else [torch.Generator(device=self.device).manual_seed(s) for s in seeds[chunk]]
+            out += self._generate_batch(prompts[chunk], params, own or generator)
         return out
 
     def _generate_batch(self, prompts, params: SamplingParams, generator) -> list[Completion]:
+        """``generator``: one for the batch, or a list of one per row."""
         B = len(prompts)
         # Left padding keeps every row's next token in the last column.
         past, mask_BL, next_pos_B, logits_BV = self.prefill(prompts)
@@ -80,7 +86,11 @@ class HFEngine:
             temperature = params.temperature if params.temperature > 0 else 1.0
             logp_BV = torch.log_softmax(logits_BV / temperature, dim=-1)
             if params.temperature > 0:
-                token_B = torch.multinomial(logp_BV.exp(), 1, generator=generator).squeeze(1)
+                if isinstance(generator, list):
+                    probs_BV = logp_BV.exp()
+                    token_B = torch.cat([torch.multinomial(probs_BV[b], 1, generator=g) for b, g in enumerate(generator)])
+                else:
+                    token_B = torch.multinomial(logp_BV.exp(), 1, generator=generator).squeeze(1)
             else:
                 token_B = logp_BV.argmax(-1)
             token_B = torch.where(done_B, torch.full_like(token_B, self.pad_id), token_B)

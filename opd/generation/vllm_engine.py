@@ -98,12 +98,15 @@ class VLLMEngine:
 
     # -- generation -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """``n`` completions per prompt, prompt-major. Request ``i`` is seeded ``seed + i``,
-        so a call is reproducible and its rows differ."""
+        """``n`` completions per prompt, prompt-major. Request ``i`` is seeded ``seed + i`` (or
+        ``seeds[i]``), so a call is reproducible and its rows differ."""
         from vllm.inputs import TokensPrompt
 
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        sampling = [_vllm_sampling(params, params.seed + i) for i in range(len(prompts))]
+        seeds = params.seeds if params.seeds is not None else [params.seed + i for i in range(len(prompts))]
+        if len(seeds) != len(prompts):
+            raise ValueError(f"SamplingParams.seeds has {len(seeds)} seeds for {len(prompts)} prompts")
+        sampling = [_vllm_sampling(params, seed) for seed in seeds]
         return [_completion(sample) for output in self.llm.generate(requests, sampling, use_tqdm=False)
                 for sample in output.outputs]
 

@@ -66,6 +66,7 @@ def run_episodes(
     settings: EpisodeSettings,
     seed: int,
     envs=None,
+    first_index: int = 0,
 ) -> list[Trajectory]:
     """Play one episode per task with the policy in ``engine``.
 
@@ -75,17 +76,21 @@ def run_episodes(
         tasks: task ids, one episode each (repeats allowed).
         tokenizer, fmt: the policy's tokenizer and its ChatML ids.
         settings: sampling and context limits; ``temperature=0`` plays greedily.
-        seed: seeds sampling; turn k of this call samples with ``seed * 1009 + k``.
+        seed: seeds sampling and the environments' resets; episode ``i``'s turn ``k`` samples
+            with its own seed, :func:`episode_seed` ``(seed, first_index + i, k)``.
         envs: where the environments run: an :class:`opd.rollout.env_pool.EnvWorkerPool`
             (child processes with a timeout; episode ``i`` uses slot ``i``), or ``None`` for
             environments made from ``env_factory`` in this process.
+        first_index: the index of ``tasks[0]`` among the step's episodes: a step's episodes
+            split among rollout replicas sample as they would in one call.
 
     Returns:
         One :class:`Trajectory` per task, in order.
     """
     if envs is None:
         with InProcessEnvs(env_factory) as local:
-            return run_episodes(engine, env_factory, tasks, tokenizer, fmt, settings, seed, envs=local)
+            return run_episodes(engine, env_factory, tasks, tokenizer, fmt, settings, seed, envs=local,
+                                first_index=first_index)
     trajs = [Trajectory(task=task) for task in tasks]
     contexts: list[list[int]] = [[] for _ in tasks]
     pending = []
@@ -104,6 +109,7 @@ def run_episodes(
             temperature=settings.temperature,
             stop_token_ids=(fmt.im_end_id,),
             seed=seed * 1009 + turn_no,
+            seeds=tuple(episode_seed(seed, first_index + i, turn_no) for i, _ in pending),
         )
         completions = engine.generate([contexts[i] for i, _ in pending], params)
         turns = []
@@ -138,6 +144,11 @@ def run_episodes(
         pending = still
         turn_no += 1
     return trajs
+
+
+def episode_seed(seed: int, episode: int, turn: int) -> int:
+    """The sampling seed of ``episode``'s turn ``turn`` in a call seeded ``seed`` (63 bits)."""
+    return ((seed * 1_000_003 + episode) * 1009 + turn) % (1 << 63)
 
 
 def mark_env_error(traj: Trajectory, failure: EnvFailure) -> None:

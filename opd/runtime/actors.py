@@ -69,14 +69,17 @@ class _PolicyHost:
             self._pool_key = key
         return self._pool
 
-    def collect(self, env_factory, tasks: list[str], settings, seed: int) -> tuple[list[Trajectory], dict[str, float]]:
-        """Play one episode per task; returns the trajectories and timing."""
+    def collect(self, env_factory, tasks: list[str], settings, seed: int,
+                first_index: int = 0) -> tuple[list[Trajectory], dict[str, float]]:
+        """Play one episode per task (``tasks[0]`` the step's episode ``first_index``, see
+        :func:`opd.rollout.vanilla.run_episodes`); returns the trajectories and timing."""
         from opd.rollout.vanilla import run_episodes
 
         start = time.perf_counter()
         envs = self.envs(env_factory, settings)
         restarts_before = envs.restarts if envs is not None else 0
-        trajs = run_episodes(self.engine, env_factory, tasks, self.tokenizer, self.fmt, settings, seed, envs=envs)
+        trajs = run_episodes(self.engine, env_factory, tasks, self.tokenizer, self.fmt, settings, seed, envs=envs,
+                             first_index=first_index)
         seconds = time.perf_counter() - start
         tokens = sum(t.num_response_tokens for t in trajs)
         restarts = (envs.restarts - restarts_before) if envs is not None else 0
@@ -130,18 +133,25 @@ class RolloutWorker(_PolicyHost):
 
 @dataclass
 class RayWorkers:
-    """The three actors of a run behind the :class:`opd.algorithms.base.Workers` handle.
+    """A run's actors behind the :class:`opd.algorithms.base.Workers` handle: ``teachers`` (K
+    replicas), ``rollouts`` (M replicas) and ``trainers`` (N ranks of one DeepSpeed group).
+
+    A step's episodes are shared among the rollout replicas in order (each episode keeps its own
+    sampling seed, so they do not depend on M), its trajectories among the teacher replicas (a
+    trajectory's scores do not depend on K); every trainer rank takes every training call.
+    ``run`` (an algorithm's own code next to an engine) goes to the first replica.
 
     Every wait is bounded by ``timeout_s`` (``resources.actor_timeout_s``): an actor that raises,
     dies or does not answer in time becomes a :class:`opd.runtime.errors.WorkerError` naming its
     role and the call, with the actor's own exception unwrapped from Ray's.
     """
 
-    teacher: Any
-    rollout: Any
-    trainer: Any
+    teachers: list[Any]
+    rollouts: list[Any]
+    trainers: list[Any]
     timeout_s: float | None = None
     groups: dict[str, Any] | None = None  # each role's placement group (opd.runtime.placement)
+    gathered_export: bool = False  # every trainer rank takes part in export_weights (ZeRO-3)
 
     def __post_init__(self) -> None:
         # The groups live as long as this handle, as the actors do (Ray ends an actor whose last
@@ -151,12 +161,25 @@ class RayWorkers:
 
             weakref.finalize(self, release, list(self.groups.values()))
 
+    @property
+    def teacher(self) -> Any:
+        return self.teachers[0]
+
+    @property
+    def rollout(self) -> Any:
+        return self.rollouts[0]
+
+    @property
+    def trainer(self) -> Any:
+        """Rank 0 of the trainer group."""
+        return self.trainers[0]
+
     def shutdown(self) -> None:
         """End the actors (the dead included) and free their placement groups, so that the roles
         can be started again in this Ray session."""
         import ray
 
-        for actor in (self.teacher, self.rollout, self.trainer):
+        for actor in (*self.teachers, *self.rollouts, *self.trainers):
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
         if self.groups:
@@ -165,15 +188,16 @@ class RayWorkers:
             release(list(self.groups.values()))
 
     def placement(self) -> dict[str, list[dict[str, str]]]:
-        """The node of each role's actors (``{role: [{"node_id", "node_ip"}]}``)."""
+        """The node of each role's actors (``{role: [{"node_id", "node_ip"}]}``, one per actor)."""
         from opd.runtime.placement import group_nodes
 
         return group_nodes(self.groups) if self.groups else {}
 
-    def _host(self, who: Role) -> tuple[str, Any]:
-        return ("rollout", self.rollout) if who == "student" else ("teacher", self.teacher)
+    def _hosts(self, who: Role) -> tuple[str, list[Any]]:
+        return ("rollout", self.rollouts) if who == "student" else ("teacher", self.teachers)
 
     def _await(self, ref: Any, role: str, call: str) -> Any:
+        """``ray.get(ref)`` (a ref or a list of refs), bounded, its failure a :class:`WorkerError`."""
         import ray  # here, not at import: the module's plain classes run without Ray
         from ray import exceptions as rex
 
@@ -181,7 +205,8 @@ class RayWorkers:
             return ray.get(ref, timeout=self.timeout_s)
         except rex.GetTimeoutError:
             with contextlib.suppress(Exception):  # best effort: the run stops and Ray's shutdown ends the actor
-                ray.cancel(ref)
+                for one in (ref if isinstance(ref, list) else [ref]):
+                    ray.cancel(one)
             raise WorkerError(role, f"the {role} did not finish {call} within {self.timeout_s:g} s "
                               "(resources.actor_timeout_s); it is hung or far slower than expected", kind="hung") from None
         except rex.RayTaskError as exc:
@@ -194,51 +219,97 @@ class RayWorkers:
                               f"{': ' + _plain(reason[0])[:300] if reason else ''}", None, _plain(str(exc)),
                               kind="died") from None
 
+    def _collect_refs(self, who: Role, env_factory, tasks: list[str], settings, seed: int) -> tuple[str, list[Any]]:
+        role, hosts = self._hosts(who)
+        refs = []
+        for first, part in shares(tasks, len(hosts)):
+            refs.append(hosts[len(refs)].collect.remote(env_factory, part, settings, seed, first))
+        return role, refs
+
     def collect(self, who: Role, env_factory, tasks: list[str], settings, seed: int):
-        role, host = self._host(who)
-        return self._await(host.collect.remote(env_factory, tasks, settings, seed), role, "collect")
+        role, refs = self._collect_refs(who, env_factory, tasks, settings, seed)
+        return merge_collected(self._await(refs, role, "collect"))
 
     def collect_later(self, who: Role, env_factory, tasks: list[str], settings, seed: int) -> "_InFlight":
-        role, host = self._host(who)
-        return _InFlight(self, host.collect.remote(env_factory, tasks, settings, seed), role, "collect")
+        role, refs = self._collect_refs(who, env_factory, tasks, settings, seed)
+        return _InFlight(self, refs, role, "collect", merge_collected)
 
     def score(self, trajs: list[Trajectory], supervision: Any) -> list:
-        return self._await(self.teacher.score.remote(trajs, supervision), "teacher", "score")
+        refs = [self.teachers[k].score.remote(part, supervision)
+                for k, (_, part) in enumerate(shares(trajs, len(self.teachers)))]
+        return [scores for part in self._await(refs, "teacher", "score") for scores in part]
 
     def train(self, batch) -> dict[str, float]:
-        return self._await(self.trainer.train_step.remote(batch), "trainer", "train_step")
+        import ray
+
+        batch_ref = ray.put(batch) if len(self.trainers) > 1 else batch  # one copy for every rank
+        return self._await([t.train_step.remote(batch_ref) for t in self.trainers], "trainer", "train_step")[0]
 
     def sync_weights(self) -> dict[str, float]:
-        """Trainer -> rollout engine, in place: the weights are put in the object store once."""
+        """Trainer -> every rollout replica, in place: the weights are put in the object store
+        once (gathered from the ranks' shards under ZeRO-3), every replica loads them."""
         start = time.perf_counter()
-        weights_ref = self.trainer.export_weights.remote()
-        load_s = self._await(self.rollout.update_weights.remote(weights_ref), "rollout", "update_weights")
-        return {"weight_sync_s": time.perf_counter() - start, "weight_load_s": load_s}
+        exporters = self.trainers if self.gathered_export else self.trainers[:1]
+        refs = [t.export_weights.remote() for t in exporters]
+        loads = self._await([r.update_weights.remote(refs[0]) for r in self.rollouts], "rollout", "update_weights")
+        if len(refs) > 1:
+            self._await(refs[1:], "trainer", "export_weights")
+        return {"weight_sync_s": time.perf_counter() - start, "weight_load_s": max(loads)}
 
     def run(self, who: Role, fn: Callable[..., Any], *args: Any) -> Any:
-        role, host = self._host(who)
-        return self._await(host.run.remote(fn, *args), role, getattr(fn, "__name__", "run"))
+        role, hosts = self._hosts(who)
+        return self._await(hosts[0].run.remote(fn, *args), role, getattr(fn, "__name__", "run"))
 
     def save_checkpoint(self, directory: str) -> None:
-        """The trainer's state and HF export into ``directory`` (see :mod:`opd.training.checkpoint`)."""
-        self._await(self.trainer.save_checkpoint.remote(directory), "trainer", "save_checkpoint")
+        """The trainer group's state and HF export into ``directory`` (see :mod:`opd.training.checkpoint`)."""
+        self._await([t.save_checkpoint.remote(directory) for t in self.trainers], "trainer", "save_checkpoint")
 
     def load_checkpoint(self, directory: str) -> None:
-        self._await(self.trainer.load_checkpoint.remote(directory), "trainer", "load_checkpoint")
+        self._await([t.load_checkpoint.remote(directory) for t in self.trainers], "trainer", "load_checkpoint")
+
+
+def shares(items: list, parts: int) -> list[tuple[int, list]]:
+    """``items`` cut in order into at most ``parts`` runs of near-equal length (the longer ones
+    first), each with the index of its first item; empty runs left out.
+
+    Example:
+        >>> shares(list("abcde"), 2)
+        [(0, ['a', 'b', 'c']), (3, ['d', 'e'])]
+    """
+    size, extra = divmod(len(items), max(1, parts))
+    out, start = [], 0
+    for p in range(max(1, parts)):
+        n = size + (1 if p < extra else 0)
+        if n:
+            out.append((start, items[start : start + n]))
+        start += n
+    return out or [(0, [])]
+
+
+def merge_collected(parts: list[tuple[list[Trajectory], dict[str, float]]]) -> tuple[list[Trajectory], dict[str, float]]:
+    """The replicas' ``collect`` answers as one: trajectories in order, the wall time of the
+    slowest, counts added up."""
+    trajs = [t for part, _ in parts for t in part]
+    timing: dict[str, float] = {}
+    for _, part in parts:
+        for k, v in part.items():
+            timing[k] = max(timing.get(k, 0.0), v) if k.endswith("_s") else timing.get(k, 0.0) + v
+    return trajs, timing
 
 
 @dataclass
 class _InFlight:
-    """An actor call started by :meth:`RayWorkers.collect_later`; ``result()`` waits for it as
+    """Actor calls started by :meth:`RayWorkers.collect_later`; ``result()`` waits for them as
     every call is waited for (bounded, its failure naming the role)."""
 
     workers: RayWorkers
     ref: Any
     role: str
     call: str
+    combine: Callable[[Any], Any] = lambda value: value
 
     def result(self) -> Any:
-        return self.workers._await(self.ref, self.role, self.call)
+        return self.combine(self.workers._await(self.ref, self.role, self.call))
 
 
 def _plain(text: str) -> str:
@@ -265,37 +336,54 @@ def role_arguments(cfg: Any, student_path: str, teacher_path: str) -> tuple[int,
 
 
 def spawn_workers(cfg: Any, student_path: str, teacher_path: str) -> RayWorkers:
-    """Create the teacher, rollout and trainer actors with the recipe's resource shares, each in
-    its role's placement group (:mod:`opd.runtime.placement`).
+    """Create the teacher replicas, the rollout replicas and the trainer group as actors with the
+    recipe's resource shares, each role in its placement group (:mod:`opd.runtime.placement`),
+    one bundle per actor.
 
     Raises:
         opd.runtime.placement.PlacementError: the cluster cannot hold a role's request.
     """
     import ray
 
-    from opd.training.trainer import StudentTrainer
+    from opd.training.trainer import StudentTrainer, rendezvous_point
 
-    from opd.runtime.placement import actor_options, reserve, role_requests
+    from opd.runtime.placement import actor_options, group_nodes, reserve, role_requests
 
     res = cfg.resources
     threads, teacher_args, rollout_args, trainer_args = role_arguments(cfg, student_path, teacher_path)
+    counts = role_counts(res)
     # Each role's resources are reserved first (a placement group per role, refused at once when
     # the cluster cannot hold it); the actors then start inside their groups.
-    groups = reserve(role_requests(res), timeout_s=res.placement_timeout_s)
+    groups = reserve(role_requests(res, counts), timeout_s=res.placement_timeout_s)
     # Ray would set OMP_NUM_THREADS to an actor's (rounded-down) CPU share; on a small machine
     # the phases run one after another, so each actor may use every core while it works.
     thread_env = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
-    teacher_actor = ray.remote(TeacherWorker).options(
-        num_cpus=res.teacher_cpus, num_gpus=res.teacher_gpus, runtime_env=thread_env,
-        **actor_options(groups["teacher"])).remote(*teacher_args)
-    rollout_actor = ray.remote(RolloutWorker).options(
-        num_cpus=res.rollout_cpus, num_gpus=res.rollout_gpus, runtime_env=thread_env,
-        **actor_options(groups["rollout"])).remote(*rollout_args)
-    trainer_actor = ray.remote(StudentTrainer).options(
-        num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus, runtime_env=thread_env,
-        **actor_options(groups["trainer"])).remote(*trainer_args)
-    return RayWorkers(teacher=teacher_actor, rollout=rollout_actor, trainer=trainer_actor, timeout_s=res.actor_timeout_s,
-                      groups=groups)
+
+    def start(cls, role: str, index: int, *args, **kwargs):
+        return ray.remote(cls).options(
+            num_cpus=getattr(res, f"{role}_cpus"), num_gpus=getattr(res, f"{role}_gpus"), runtime_env=thread_env,
+            **actor_options(groups[role], index)).remote(*args, **kwargs)
+
+    teachers = [start(TeacherWorker, "teacher", k, *teacher_args) for k in range(counts["teacher"])]
+    rollouts = [start(RolloutWorker, "rollout", m, *rollout_args) for m in range(counts["rollout"])]
+    ranks = counts["trainer"]
+    rendezvous = None
+    if ranks > 1:
+        # The group meets on rank 0's node: through a file when every rank is there, else TCP.
+        one_node = len({n["node_id"] for n in group_nodes({"trainer": groups["trainer"]})["trainer"]}) == 1
+        rendezvous = ray.get(ray.remote(rendezvous_point).options(num_cpus=0, **actor_options(groups["trainer"], 0))
+                             .remote(one_node), timeout=res.actor_timeout_s)
+    trainers = [start(StudentTrainer, "trainer", r, *trainer_args, rank=r, world_size=ranks, rendezvous=rendezvous)
+                for r in range(ranks)]
+    return RayWorkers(teachers=teachers, rollouts=rollouts, trainers=trainers, timeout_s=res.actor_timeout_s,
+                      groups=groups, gathered_export=ranks > 1 and int(cfg.trainer.zero_stage) == 3)
+
+
+def role_counts(resources: Any) -> dict[str, int]:
+    """Actors per role: ``resources.teacher_replicas``, ``rollout_replicas``, ``trainer_ranks``."""
+    return {"teacher": int(getattr(resources, "teacher_replicas", 1)),
+            "rollout": int(getattr(resources, "rollout_replicas", 1)),
+            "trainer": int(getattr(resources, "trainer_ranks", 1))}
 
 
 def local_teacher_player(cfg: Any, log: Callable[[str], None]) -> Callable[[list[str]], list[Trajectory]]:

@@ -40,7 +40,10 @@ RESUMABLE_KEYS = ("run.total_steps", "run.eval_every_steps", "run.save_every_ste
                   "resources.actor_timeout_s", "logging.wandb_project", "logging.wandb_mode", "logging.mlflow",
                   "run.backend",  # the same run on Ray or in one process (resume a step under pdb)
                   "run.async_steps",  # overlap or not: the resumed step rolls out with the checkpoint's weights either way
-                  "run.max_restarts", "resources.placement_timeout_s")
+                  "run.max_restarts", "resources.placement_timeout_s",
+                  # replicas change where the work runs, not its result (the trainer's ZeRO shards
+                  # are checked against its rank count when they are loaded)
+                  "resources.teacher_replicas", "resources.rollout_replicas", "resources.trainer_ranks")
 
 
 class MetricsLog:

@@ -31,11 +31,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
 import tempfile
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -52,18 +54,25 @@ from opd.trajectory import TokenBatch, TokenRows
 log = logging.getLogger(__name__)
 GATHER_LOGPROBS = True  # False: every position's log-softmax, as before (bench/mfu.py measures one against the other)
 _WARNED: set[str] = set()  # model classes already warned about (once each)
+GROUP_FILE = "trainer.json"  # in a checkpoint: the trainer group's shape ({"ranks", "zero_stage"})
 
 
-def init_single_rank_distributed() -> None:
-    """A one-process torch.distributed world (gloo on CPU), as DeepSpeed needs, with nothing
-    listening on the network: the rendezvous is a file, not a TCP store (which would bind every
-    interface whatever ``MASTER_ADDR`` says)."""
+def init_distributed(rank: int = 0, world_size: int = 1, rendezvous: str | None = None) -> None:
+    """This process as rank ``rank`` of a ``world_size``-process torch.distributed group, as
+    DeepSpeed needs: gloo on CPU, NCCL on GPU.
+
+    One rank needs no rendezvous: it meets itself through a file of its own. A group meets at
+    ``rendezvous`` (:func:`rendezvous_point`): ``file://PATH`` when every rank is on one node,
+    ``tcp://IP:PORT`` (rank 0's node) across nodes. A file store listens on nothing; on one node
+    gloo's own connections between ranks are kept on the loopback interface too.
+    """
     import deepspeed
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                       ("MASTER_PORT", "0")):
+    for key, value in (("RANK", str(rank)), ("LOCAL_RANK", "0"), ("WORLD_SIZE", str(world_size)),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "0")):
+        # LOCAL_RANK 0: Ray gives each rank its own GPU (CUDA_VISIBLE_DEVICES), seen as device 0.
         os.environ.setdefault(key, value)
     if not torch.cuda.is_available() and os.environ.get("OPD_DS_SHM_COMM") != "1":
         # DeepSpeed would JIT-compile its shared-memory allreduce op here (minutes of C++ on a
@@ -71,10 +80,69 @@ def init_single_rank_distributed() -> None:
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    if not torch.distributed.is_initialized():
-        store = Path(tempfile.mkdtemp(prefix="opd-dist-")) / "rendezvous"
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False,
-                                   init_method=f"file://{store}", rank=0, world_size=1)
+    if torch.distributed.is_initialized():
+        return
+    # DeepSpeed's ZeRO calls torch.distributed.all_gather_into_tensor / reduce_scatter_tensor,
+    # which torch now warns about on every call: a wall of the same lines from every rank.
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    if world_size == 1:
+        rendezvous = f"file://{Path(tempfile.mkdtemp(prefix='opd-dist-')) / 'rendezvous'}"
+    elif rendezvous is None:
+        raise ValueError(f"a group of {world_size} trainer ranks needs a rendezvous (file:// or tcp://)")
+    if rendezvous.startswith("file://") and world_size > 1:
+        loopback = loopback_interface()
+        if loopback:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False,
+                               init_method=rendezvous, rank=rank, world_size=world_size)
+
+
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback network interface (``lo`` on Linux), or ``None``."""
+    try:
+        import psutil
+
+        for name, addresses in psutil.net_if_addrs().items():
+            if any(a.address == "127.0.0.1" for a in addresses):
+                return name
+    except (ImportError, OSError):
+        pass
+    return None
+
+
+def rendezvous_point(one_node: bool) -> str:
+    """Where a trainer group meets, made on the node of rank 0 (run it there): ``file://`` a
+    fresh file in a private temporary directory when every rank is on this node, else
+    ``tcp://THIS_NODE_IP:PORT`` with a port that was free a moment ago."""
+    if one_node:
+        return f"file://{Path(tempfile.mkdtemp(prefix='opd-dist-')) / 'rendezvous'}"
+    import socket
+
+    import ray
+
+    ip = ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as sock:
+        sock.bind((ip, 0))
+        port = sock.getsockname()[1]
+    return f"tcp://{'[' + ip + ']' if ':' in ip else ip}:{port}"
+
+
+def rank_rows(lengths: list[int], ranks: int) -> list[list[int]]:
+    """Rows split among ``ranks``: longest first, each to the rank with the fewest tokens so far
+    (ties to the lower rank), each rank's rows in batch order. Deterministic, so every rank
+    computes the same split.
+
+    Example:
+        >>> rank_rows([5, 1, 4, 2], 2)
+        [[0, 1], [2, 3]]
+    """
+    load = [0] * ranks
+    out: list[list[int]] = [[] for _ in range(ranks)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        out[r].append(i)
+        load[r] += lengths[i]
+    return [sorted(rows) for rows in out]
 
 
 def student_logprobs(model, batch: TokenBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,17 +269,18 @@ def adamw(params: list[torch.nn.Parameter], **kwargs) -> torch.optim.AdamW:
 
 
 def accumulate_metrics(sums: dict[str, float], weights: dict[str, float], metrics: dict[str, float],
-                       micro_tokens: float, gas: int) -> None:
+                       micro_tokens: float, scale: float) -> None:
     """Fold one micro-batch's loss metrics into the step's.
 
-    ``loss/*`` values are already scaled to add up to the batch's loss (over DeepSpeed's ``gas``
-    division); ``*/tokens`` counts add up; every other diagnostic is a token mean, averaged with
-    weight its term's ``tokens`` if it reports them (a loss on its own mask), else the
-    micro-batch's response tokens.
+    ``loss/*`` values are already scaled to add up to the batch's loss over the engine's
+    gradient division ``scale`` (accumulation steps times ranks); ``*/tokens`` counts add up;
+    every other diagnostic is a token mean, averaged with weight its term's ``tokens`` if it
+    reports them (a loss on its own mask), else the micro-batch's response tokens: ``sums`` holds
+    the weighted sums and ``weights`` their weights (:func:`finish_metrics` divides).
     """
     for k, v in metrics.items():
         if k.startswith("loss/"):
-            sums[k] = sums.get(k, 0.0) + v / gas
+            sums[k] = sums.get(k, 0.0) + v / scale
         elif k.endswith("/tokens"):
             sums[k] = sums.get(k, 0.0) + v
         else:
@@ -222,14 +291,40 @@ def accumulate_metrics(sums: dict[str, float], weights: dict[str, float], metric
             weights[k] = weights.get(k, 0.0) + w
 
 
+def merge_metrics(parts: list[tuple[dict[str, float], dict[str, float]]]) -> tuple[dict[str, float], dict[str, float]]:
+    """The ``(sums, weights)`` of :func:`accumulate_metrics` from several ranks, added up."""
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for part_sums, part_weights in parts:
+        for k, v in part_sums.items():
+            sums[k] = sums.get(k, 0.0) + v
+        for k, v in part_weights.items():
+            weights[k] = weights.get(k, 0.0) + v
+    return sums, weights
+
+
+def finish_metrics(sums: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
+    """The step's metrics: the weighted diagnostics divided by their weights."""
+    return {**sums, **{k: sums[k] / w if w > 0 else 0.0 for k, w in weights.items()}}
+
+
 class StudentTrainer:
     """Owns the training engine (DeepSpeed's, or :class:`~opd.training.torch_engine.TorchEngine`).
-    Plain class; :mod:`opd.runtime.actors` hosts it in Ray, :mod:`opd.runtime.local` in the driver."""
+    Plain class; :mod:`opd.runtime.actors` hosts it in Ray, :mod:`opd.runtime.local` in the driver.
+
+    A trainer group (``resources.trainer_ranks`` > 1) is ``world_size`` of these, rank ``rank``
+    each, one DeepSpeed engine over them that meet at ``rendezvous`` (:func:`init_distributed`).
+    Every rank is handed the whole batch and trains its share of the rows (:func:`rank_rows`),
+    normalised by the whole batch's totals, so the averaged gradient is the one-rank gradient.
+    Every call (a step, a checkpoint, the export of weights) is made on every rank at once.
+    """
 
     def __init__(self, trainer_cfg: Any, loss_terms: list[tuple[str, float, dict]], model_dir: str,
                  episodes_per_step: int, dtype: str = "float32", trust_remote_code: bool = False,
-                 torch_threads: int = 0, total_steps: int = 1, temperature: float = 1.0):
+                 torch_threads: int = 0, total_steps: int = 1, temperature: float = 1.0, rank: int = 0,
+                 world_size: int = 1, rendezvous: str | None = None):
         torch.set_num_threads(max(1, torch_threads or os.cpu_count() or 1))
+        self.rank, self.world_size = int(rank), int(world_size)
         self.engine_kind = str(getattr(trainer_cfg, "engine", "deepspeed"))
         self.loss_terms = loss_terms
         self.temperature = temperature if temperature > 0 else 1.0  # greedy rollouts score at 1
@@ -255,28 +350,32 @@ class StudentTrainer:
         if needs_reference(loss_terms):
             self.reference = load_model(model_dir, dtype=dtype, trust_remote_code=trust_remote_code).eval()
             self.reference.requires_grad_(False)
-        accumulation_steps = episodes_per_step // self.micro_batch_size
+        accumulation_steps = max(1, episodes_per_step // (self.micro_batch_size * self.world_size))
         self.zero_stage = int(trainer_cfg.zero_stage)
+        if self.engine_kind == "torch" and self.world_size > 1:
+            raise ValueError(f"trainer.engine=torch trains on one rank; resources.trainer_ranks={self.world_size} "
+                             "needs trainer.engine=deepspeed")
         if self.engine_kind == "torch":
             self.zero_stage = 0  # one rank holds everything: ZeRO has nothing to partition
             self.engine = TorchEngine(model, optimizer, scheduler, accumulation_steps, trainer_cfg.grad_clip_norm,
                                       autocast_dtype=torch.bfloat16 if dtype == "bfloat16" else None)
         else:
-            self.engine = self._deepspeed_engine(model, optimizer, scheduler, episodes_per_step, accumulation_steps,
-                                                 trainer_cfg, dtype)
+            self.engine = self._deepspeed_engine(model, optimizer, scheduler, accumulation_steps, trainer_cfg, dtype,
+                                                 rendezvous)
         if self.reference is not None:
             self.reference.to(self.engine.device)
         self.gather_logprobs = reads_trained_positions_only(loss_terms)
         self.steps = 0
 
-    def _deepspeed_engine(self, model, optimizer, scheduler, episodes_per_step: int, accumulation_steps: int,
-                          trainer_cfg: Any, dtype: str):
-        """DeepSpeed's engine over ``model`` on a one-rank group (gloo on CPU, NCCL on GPU)."""
+    def _deepspeed_engine(self, model, optimizer, scheduler, accumulation_steps: int, trainer_cfg: Any, dtype: str,
+                          rendezvous: str | None):
+        """DeepSpeed's engine over ``model`` on this trainer's group (gloo on CPU, NCCL on GPU).
+        The batch sizes only satisfy DeepSpeed's check: the boundaries are set by hand."""
         import deepspeed
 
-        init_single_rank_distributed()
+        init_distributed(self.rank, self.world_size, rendezvous)
         ds_config = {
-            "train_batch_size": episodes_per_step,
+            "train_batch_size": self.micro_batch_size * accumulation_steps * self.world_size,
             "train_micro_batch_size_per_gpu": self.micro_batch_size,
             "gradient_accumulation_steps": accumulation_steps,
             "gradient_clipping": float(trainer_cfg.grad_clip_norm),
@@ -305,22 +404,37 @@ class StudentTrainer:
         return student_logprobs(model, micro, self.temperature)
 
     def train_step(self, batch: TokenBatch) -> dict[str, float]:
-        """One optimizer update over ``batch`` (split into micro-batches)."""
+        """One optimizer update over ``batch`` (this rank's share of it, split into micro-batches);
+        every rank returns the whole step's metrics."""
         start = time.perf_counter()
         metrics_sum: dict[str, float] = {}
         weights: dict[str, float] = {}  # diagnostics averaged over micro-batches, by their token counts
         nonfinite = 0
         # Normalisers of the whole batch: the micro-batch losses then add up to the batch's loss.
-        # DeepSpeed divides each micro-batch loss by its configured accumulation steps, which the
-        # losses undo with ``totals["micro_batches"]``; the boundary is set by hand, so a batch may
-        # hold any number of rows (per-turn rows, extra recovery rows), not only episodes_per_step.
+        # DeepSpeed divides each micro-batch loss by its configured accumulation steps, and the
+        # ranks' gradients by their number, which the losses undo with ``totals["micro_batches"]``
+        # and ``totals["ranks"]``; the boundary is set by hand, so a batch may hold any number of
+        # rows (per-turn rows, extra recovery rows), not only episodes_per_step.
         gas = self.engine.gradient_accumulation_steps()
-        batch = batch.with_totals(micro_batches=gas)
+        batch = batch.with_totals(micro_batches=gas, ranks=self.world_size)
+        scale = gas * self.world_size
         # Micro-batches of rows of similar lengths (longest first), each cut to its own longest
         # row and capped at micro_batch_tokens padded tokens: rows of very different lengths then
         # pad only against their neighbours. The gradient is unchanged (every loss is normalised
         # over the whole batch, see above).
-        micro_batches = batch.micro_batches(self.micro_batch_size, self.micro_batch_tokens)
+        mine = batch
+        if self.world_size > 1:
+            share = rank_rows(batch.attention_mask_BT.sum(1).tolist(), self.world_size)[self.rank]
+            mine = batch.select_rows(torch.tensor(share or [0], dtype=torch.long))
+        micro_batches = mine.micro_batches(self.micro_batch_size, self.micro_batch_tokens)
+        idle = [False] * len(micro_batches)
+        if self.world_size > 1:
+            # Every rank runs as many forwards and backwards as the busiest (ZeRO-3 gathers the
+            # parameters in each forward, and reduces gradients in each backward, all ranks
+            # together); a rank with fewer rows runs idle micro-batches that add no gradient.
+            most = self._all_max(len(micro_batches))
+            idle = [not share] * len(micro_batches) + [True] * (most - len(micro_batches))
+            micro_batches = micro_batches + [micro_batches[0]] * (most - len(micro_batches))
         for m, micro in enumerate(micro_batches):
             self.engine.set_gradient_accumulation_boundary(m == len(micro_batches) - 1)
             micro = micro.to(self.engine.device)
@@ -329,20 +443,29 @@ class StudentTrainer:
                     reference_BT = self._student_logprobs(self.reference, micro, full_vocab=False)[0]
                 micro = replace(micro, reference_logprobs_BT=reference_BT)
             micro = micro.with_student(*self._student_logprobs(self.engine, micro))
+            if idle[m]:
+                self.engine.backward(micro.student_logprobs_BT.sum() * 0.0)
+                continue
             loss, metrics = combined_loss(micro, self.loss_terms)
             if not torch.isfinite(loss):
                 nonfinite += 1
                 # Keep the graph so DeepSpeed's accumulation stays in step; contribute no gradient.
                 loss = micro.student_logprobs_BT.sum() * 0.0
             self.engine.backward(loss)
-            accumulate_metrics(metrics_sum, weights, metrics, float(micro.loss_mask_BT.sum()), gas)
-            metrics_sum["loss"] = metrics_sum.get("loss", 0.0) + float(loss.detach()) / gas
-        # DeepSpeed at ZeRO 0 clips the gradients on the parameters but keeps no norm: measure it here.
+            accumulate_metrics(metrics_sum, weights, metrics, float(micro.loss_mask_BT.sum()), scale)
+            metrics_sum["loss"] = metrics_sum.get("loss", 0.0) + float(loss.detach()) / scale
+        # DeepSpeed at ZeRO 0 clips the gradients on the parameters but keeps no norm: measure it
+        # here (after the boundary's all-reduce every rank holds the averaged gradients).
         own_norm = grad_norm(self.engine.module) if self.engine_kind == "deepspeed" and self.zero_stage == 0 else None
         self.engine.step()
         self.steps += 1
-        metrics_sum.update({k: metrics_sum[k] / w if w > 0 else 0.0 for k, w in weights.items()})
-        metrics_sum["nonfinite_loss"] = float(nonfinite > 0)
+        metrics_sum["nonfinite_loss"] = float(nonfinite)
+        if self.world_size > 1:
+            parts: list[Any] = [None] * self.world_size
+            torch.distributed.all_gather_object(parts, (metrics_sum, weights))
+            metrics_sum, weights = merge_metrics(parts)
+        metrics_sum = finish_metrics(metrics_sum, weights)
+        metrics_sum["nonfinite_loss"] = float(metrics_sum["nonfinite_loss"] > 0)
         metrics_sum["grad_norm"] = float(own_norm if own_norm is not None else self.engine.get_global_grad_norm() or 0.0)
         metrics_sum["train_tokens"] = float(batch.loss_mask_BT.sum())
         metrics_sum["train_rows"] = float(len(batch))
@@ -350,6 +473,12 @@ class StudentTrainer:
         metrics_sum["learning_rate"] = float(self.engine.get_lr()[0])
         metrics_sum["time/train_inner_s"] = time.perf_counter() - start
         return metrics_sum
+
+    def _all_max(self, value: int) -> int:
+        """The largest of the ranks' ``value``."""
+        tensor = torch.tensor([value], dtype=torch.long, device=self.engine.device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+        return int(tensor.item())
 
     # -- weights ----------------------------------------------------------------------------
     def _full_parameters(self):
@@ -360,11 +489,12 @@ class StudentTrainer:
 
         return deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None)
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
+    def export_weights(self) -> dict[str, torch.Tensor] | None:
         """Full (gathered) weights on CPU, keyed like the HF model's ``state_dict``; a tied tensor
-        is one tensor under both names (:func:`opd.models.cpu_copy`), sent once."""
+        is one tensor under both names (:func:`opd.models.cpu_copy`), sent once. Rank 0 answers;
+        the other ranks return ``None`` (under ZeRO-3 they must take part in the gather)."""
         with self._full_parameters():
-            return cpu_copy(self.engine.module.state_dict())
+            return cpu_copy(self.engine.module.state_dict()) if self.rank == 0 else None
 
     # -- checkpoints ------------------------------------------------------------------------
     @property
@@ -373,13 +503,19 @@ class StudentTrainer:
         return "torch" if self.engine_kind == "torch" else "ds"
 
     def save_checkpoint(self, directory: str) -> None:
-        """The engine's state (weights, optimizer, scheduler) under ``ds/`` (DeepSpeed) or
-        ``torch/`` (safetensors and JSON), and an HF export under ``hf/`` (safetensors). The
-        caller makes the directory's appearance atomic."""
+        """The engine's state (weights, optimizer, scheduler) under ``ds/`` (DeepSpeed, one shard
+        per rank under ZeRO) or ``torch/`` (safetensors and JSON), the group's shape in
+        ``trainer.json``, and an HF export under ``hf/`` (safetensors), written by rank 0 from the
+        gathered weights. The caller makes the directory's appearance atomic."""
         directory = Path(directory)
         self.engine.save_checkpoint(str(directory / self.state_dirname), tag="state", client_state={"steps": self.steps})
         with self._full_parameters():
-            save_model(self.engine.module, self.tokenizer, directory / "hf")
+            if self.rank == 0:
+                save_model(self.engine.module, self.tokenizer, directory / "hf")
+                (directory / GROUP_FILE).write_text(json.dumps({"ranks": self.world_size,
+                                                                "zero_stage": self.zero_stage}))
+        if self.world_size > 1:
+            torch.distributed.barrier()  # every rank's files are on disk before the caller seals them
 
     def load_checkpoint(self, directory: str) -> None:
         """Load ``directory``'s engine state with no pickled code run: every DeepSpeed file is
@@ -394,6 +530,14 @@ class StudentTrainer:
         """
         state_dir = Path(directory) / self.state_dirname
         other = Path(directory) / ("ds" if self.state_dirname == "torch" else "torch")
+        group = Path(directory) / GROUP_FILE
+        written = json.loads(group.read_text()) if group.is_file() else {"ranks": 1, "zero_stage": self.zero_stage}
+        if state_dir.is_dir() and self.engine_kind == "deepspeed" and (
+                int(written["ranks"]) != self.world_size and max(self.zero_stage, int(written["zero_stage"])) > 0):
+            raise CheckpointError(f"{directory}: this checkpoint was written by {written['ranks']} trainer rank(s) "
+                                  f"under ZeRO stage {written['zero_stage']}, each holding a shard; the recipe asks for "
+                                  f"{self.world_size}. Resume with resources.trainer_ranks={written['ranks']}, or start "
+                                  f"a new run from its weights ({Path(directory) / 'hf'}).")
         if not state_dir.is_dir() and other.is_dir():
             written_by = "deepspeed" if other.name == "ds" else "torch"
             raise CheckpointError(f"{directory}: this checkpoint was written with trainer.engine={written_by} and the "

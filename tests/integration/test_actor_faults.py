@@ -97,6 +97,34 @@ def test_a_killed_trainer_is_restarted_and_the_run_ends_as_if_uninterrupted(unin
     assert summary["steps"] == STEPS
 
 
+GROUP = ("resources.trainer_ranks=2", "resources.trainer_cpus=0.5", "trainer.zero_stage=3")
+
+
+def test_a_killed_rank_of_a_zero3_trainer_group_resumes_from_its_shards_as_if_uninterrupted(uninterrupted):
+    """Two trainer ranks under ZeRO-3: each checkpoint holds a shard per rank; one rank killed
+    mid-run, the group restarts from them and ends with the metrics of an uninterrupted
+    two-rank run."""
+    base, _ = uninterrupted
+    whole = base / "group_whole"
+    done = subprocess.run(_command(whole, base / "cache", *GROUP), cwd=ROOT, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    expected = _step_metrics(whole)
+    shards = list((whole / "checkpoints" / f"step_{STEPS}" / "ds" / "state").glob("*optim_states.pt"))
+    assert len(shards) == 2, shards
+    run_dir = base / "group_killed"
+    done, pid = _run_killing("StudentTrainer", run_dir, base / "cache", *GROUP)
+    assert pid, "no trainer rank's process was found"
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "the trainer actor died" in done.stdout and "restarting every role from step_" in done.stdout
+    got = _step_metrics(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in expected:
+        assert got[step].keys() == expected[step].keys()
+        for key, value in expected[step].items():
+            assert got[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, key)
+
+
 def test_with_no_restart_left_a_killed_rollout_worker_stops_the_run_naming_it(uninterrupted):
     base, _ = uninterrupted
     run_dir = base / "killed_rollout"

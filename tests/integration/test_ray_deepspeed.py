@@ -276,7 +276,7 @@ def test_a_hung_raising_or_dead_actor_becomes_a_worker_error_naming_its_role(ray
             return fn(self, *args)
 
     actor = ray.remote(Host).options(num_cpus=0).remote()
-    workers = RayWorkers(teacher=actor, rollout=actor, trainer=actor, timeout_s=120.0)
+    workers = RayWorkers(teachers=[actor], rollouts=[actor], trainers=[actor], timeout_s=120.0)
     assert workers.run("student", _divide, 4) == 0.25  # the actor is up
     workers.timeout_s = 3.0
 
@@ -286,7 +286,7 @@ def test_a_hung_raising_or_dead_actor_becomes_a_worker_error_naming_its_role(ray
     assert time.perf_counter() - start < 30
 
     actor = ray.remote(Host).options(num_cpus=0).remote()
-    workers = RayWorkers(teacher=actor, rollout=actor, trainer=actor, timeout_s=30.0)
+    workers = RayWorkers(teachers=[actor], rollouts=[actor], trainers=[actor], timeout_s=30.0)
     with pytest.raises(WorkerError, match="the teacher failed in _divide: ZeroDivisionError: division by zero") as info:
         workers.run("teacher", _divide, 0)
     assert info.value.role == "teacher" and isinstance(info.value.cause, ZeroDivisionError)
