@@ -331,6 +331,13 @@ def validate(cfg: Any, source: str = "config") -> None:
         if model.engine == "auto":
             model.engine = resolve_engine("auto", gpus)
         _validate_model(model, role, source)
+        actor = "rollout" if role == "student" else "teacher"
+        if model.tensor_parallel_size > 1 and (model.engine != "vllm" or gpus < model.tensor_parallel_size):
+            raise ConfigError(f"{source}: key '{role}.tensor_parallel_size' is {model.tensor_parallel_size}: it splits "
+                              f"the model over that many GPUs with the vllm engine, and the {actor} has "
+                              f"resources.{actor}_gpus={gpus:g} with engine {model.engine!r}. Set "
+                              f"resources.{actor}_gpus={model.tensor_parallel_size} and {role}.engine: vllm (or auto), "
+                              f"or tensor_parallel_size: 1.")
     run, rollout, trainer = cfg.run, cfg.rollout, cfg.trainer
     if run.eval_history == "auto":
         run.eval_history = algorithm.eval_history

@@ -78,6 +78,8 @@ class ModelConfig:
     trust_remote_code: bool = False  # run code shipped with the model; off unless you trust it
     allow_download: bool = False  # let a hub id that is not in the local cache be downloaded
     prefix_cache_mb: float = 256.0  # hf engine: KV of recent prompts reused by prompts extending them (0: off)
+    tensor_parallel_size: int = 1  # vllm engine: GPUs one replica's model is split over (its actor's
+    # resources.<role>_gpus must hold them)
     bootstrap: Optional[BootstrapConfig] = None  # build a tiny model instead of loading one
 
 
@@ -295,7 +297,7 @@ BOUNDS: dict[type, dict[str, Bound]] = {
                       "batch_size": Bound(1, 65_536), "learning_rate": Bound(0, 1, low_strict=True),
                       "tokenizer_vocab_size": Bound(256, 1 << 20), "corpus_episodes": _COUNT,
                       "action_only_prob": _PROB, "hint_prob": _PROB, "seed": _SEED},
-    ModelConfig: {"prefix_cache_mb": Bound(0, 10**7)},
+    ModelConfig: {"prefix_cache_mb": Bound(0, 10**7), "tensor_parallel_size": Bound(1, 1_024)},
     EnvConfig: {"timeout_s": Bound(0, 86_400, low_strict=True), "memory_limit_mb": Bound(0, 10**8),
                 "cpu_time_limit_s": Bound(0, 86_400)},
     RolloutConfig: {"episodes_per_step": _COUNT, "max_new_tokens": _TOKENS, "temperature": Bound(0, 100),

@@ -13,10 +13,11 @@ __all__ = ["Completion", "Engine", "GenerationStream", "SamplingParams", "ScoreR
 
 
 def make_engine(kind: str, path: str, dtype: str = "float32", trust_remote_code: bool = False,
-                prefix_cache_mb: float = 0.0) -> Engine:
+                prefix_cache_mb: float = 0.0, tensor_parallel_size: int = 1) -> Engine:
     """The engine named ``kind`` (``hf`` or ``vllm``) over the model at ``path``.
 
-    ``prefix_cache_mb`` sizes the HF engine's prefix cache (vLLM always runs its own)."""
+    ``prefix_cache_mb`` sizes the HF engine's prefix cache (vLLM always runs its own);
+    ``tensor_parallel_size`` splits a vLLM model over that many GPUs."""
     if kind == "hf":
         from opd.generation.hf import HFEngine
 
@@ -25,5 +26,6 @@ def make_engine(kind: str, path: str, dtype: str = "float32", trust_remote_code:
     if kind == "vllm":
         from opd.generation.vllm_engine import VLLMEngine
 
-        return VLLMEngine.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        return VLLMEngine.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                          tensor_parallel_size=tensor_parallel_size)
     raise ValueError(f"unknown engine {kind!r}; expected 'hf' or 'vllm'")

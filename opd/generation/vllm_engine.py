@@ -76,7 +76,10 @@ class VLLMEngine:
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: str = "float32", trust_remote_code: bool = False,
-                        gpu_memory_utilization: float = 0.5) -> "VLLMEngine":
+                        gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1) -> "VLLMEngine":
+        """``tensor_parallel_size`` > 1 splits the model over that many of this process's GPUs,
+        with vLLM's worker processes (not Ray's executor: inside a Ray actor the GPUs are the
+        actor's already)."""
         _configure_environment()
         from vllm import LLM
 
@@ -93,6 +96,8 @@ class VLLMEngine:
             # generator, which CPU generators cannot do (RuntimeError "CPU Generator does not
             # use offset" once requests join a running batch): prefill whole prompts there.
             enable_chunked_prefill=torch.cuda.is_available(),
+            tensor_parallel_size=tensor_parallel_size,
+            **({"distributed_executor_backend": "mp"} if tensor_parallel_size > 1 else {}),
         )
         return cls(llm)
 

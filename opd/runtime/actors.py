@@ -47,7 +47,7 @@ class _PolicyHost:
         from opd.models import load_tokenizer
 
         self.engine = make_engine(model_cfg["engine"], path, model_cfg["dtype"], model_cfg["trust_remote_code"],
-                                  model_cfg.get("prefix_cache_mb", 0.0))
+                                  model_cfg.get("prefix_cache_mb", 0.0), model_cfg.get("tensor_parallel_size", 1))
         self.tokenizer = load_tokenizer(path, model_cfg["trust_remote_code"])
         self.fmt = ChatFormat.from_tokenizer(self.tokenizer)
 

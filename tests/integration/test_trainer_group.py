@@ -13,7 +13,6 @@ Real parts: Ray actors, DeepSpeed's ZeRO over gloo, the tiny Qwen3 of the test f
 from __future__ import annotations
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from opd.schema import ResourcesConfig, TrainerConfig

@@ -38,6 +38,13 @@ OVERRIDES = [
     (["run.eval_episodes=-1"], "key 'run.eval_episodes' is -1"),
     (["run.seed=-1"], "key 'run.seed' is -1; expected 0 <= value"),
     (["run.backend=slurm"], "key 'run.backend' is 'slurm'; expected one of ray, local"),
+    (["resources.trainer_ranks=0"], "key 'resources.trainer_ranks' is 0; expected 1 <= value"),
+    (["resources.rollout_replicas=2", "run.backend=local"],
+     "resources.rollout_replicas=2 with 'run.backend: local', which runs one of each role in this process"),
+    (["resources.trainer_ranks=2", "trainer.engine=torch"],
+     "key 'resources.trainer_ranks' is 2, but 'trainer.engine: torch' trains on one rank"),
+    (["teacher.tensor_parallel_size=2"], "key 'teacher.tensor_parallel_size' is 2: it splits the model over that "
+     "many GPUs with the vllm engine, and the teacher has resources.teacher_gpus=0 with engine 'hf'"),
     (["run.output_dir=/proc/opd/run"], "key 'run.output_dir' is '/proc/opd/run', but nothing can be created in /proc"),
     (["rollout.max_new_tokens=1000000000"], "key 'rollout.max_new_tokens' is 1000000000; expected 1 <= value <= 1,000,000"),
     (["rollout.max_new_tokens=4096", "rollout.max_context_tokens=4096"],
