@@ -56,8 +56,17 @@ class Workers(Protocol):
     def score(self, trajs: list[Trajectory], supervision: SupervisionConfig) -> list[TokenScores]:
         """The teacher's scores of every response token of each trajectory, in its view."""
 
+    def score_for_training(self, trajs: list[Trajectory], supervision: SupervisionConfig) -> Scored:
+        """:meth:`score`, with the scores kept where they are made: the caller gets each
+        trajectory's sampled-token logprobs (:attr:`Scored.light`) and the payload's size; the
+        whole answer (top-k or full distributions) goes to the trainer with :meth:`train_built`."""
+
     def train(self, batch: TokenBatch) -> dict[str, float]:
         """One optimizer update of the student over ``batch``; the trainer's metrics."""
+
+    def train_built(self, plan: BatchPlan) -> dict[str, float]:
+        """:meth:`train` on the batch ``plan`` builds, built next to the trainer (every rank) from
+        the scores of :meth:`score_for_training`, which never pass through the caller."""
 
     def sync_weights(self) -> dict[str, float]:
         """The trainer's weights into the student's rollout engine; ``weight_sync_s`` (end to end)
@@ -73,6 +82,29 @@ class Workers(Protocol):
         """``fn(host, *args)`` inside ``who``'s worker (``host`` a :class:`PolicyHost`): how an
         algorithm runs its own rollout or scoring code next to an engine. ``fn`` must be
         importable (a module-level function)."""
+
+
+@dataclass
+class Scored:
+    """A step's teacher scores (:meth:`Workers.score_for_training`): ``light`` (each
+    trajectory's :class:`TokenScores` of the sampled tokens only) and ``payload_bytes`` (the
+    whole answer's size) here; ``whole``, the full answer, is the workers' handle on it (Ray
+    object refs, or the scores themselves on the local backend)."""
+
+    light: list[TokenScores]
+    payload_bytes: int
+    whole: Any
+
+
+@dataclass
+class BatchPlan:
+    """A step's batch as ``build(trajs, scores, *args)`` makes it, where ``scores`` are the
+    whole scores of ``scored`` (:meth:`Workers.train_built` runs it next to the trainer)."""
+
+    build: Callable[..., TokenBatch]
+    trajs: list[Trajectory]
+    scored: Scored | None
+    args: tuple = ()
 
 
 class Pending(Protocol):

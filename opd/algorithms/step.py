@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from opd.algorithms.base import RunContext
+from opd.algorithms.base import BatchPlan, RunContext, Scored
 from opd.chat import ChatFormat, student_sequence
 from opd.generation.base import TokenScores
 from opd.losses import group_advantages
@@ -121,11 +121,12 @@ class StepClock:
         return {**metrics, **times, "time/step_s": time.perf_counter() - self.start}
 
 
-def train_and_sync(ctx: RunContext, batch: TokenBatch, clock: StepClock) -> dict[str, float]:
-    """Train on ``batch`` (timed as the ``training`` phase from the clock's last lap, so building
-    the batch counts), then sync the weights to the rollout engine (``weight_sync``). Returns the
-    trainer's metrics, without its own inner timings."""
-    train_metrics = ctx.workers.train(batch)
+def train_and_sync(ctx: RunContext, batch: TokenBatch | BatchPlan, clock: StepClock) -> dict[str, float]:
+    """Train on ``batch``, or on the batch a :class:`BatchPlan` builds next to the trainer
+    (timed as the ``training`` phase from the clock's last lap, so building the batch counts),
+    then sync the weights to the rollout engine (``weight_sync``). Returns the trainer's
+    metrics, without its own inner timings."""
+    train_metrics = ctx.workers.train_built(batch) if isinstance(batch, BatchPlan) else ctx.workers.train(batch)
     clock.lap("training")
     clock.record("weight_sync", ctx.workers.sync_weights()["weight_sync_s"])
     ctx.rollouts.updates += 1
@@ -146,9 +147,10 @@ def episode_metrics(trajs: list[Trajectory], gen: dict[str, float]) -> dict[str,
     }
 
 
-def teacher_metrics(scores: list[TokenScores]) -> dict[str, float]:
+def teacher_metrics(scores: list[TokenScores] | Scored) -> dict[str, float]:
     """The size of the teacher's answer, which crosses from its worker to the trainer."""
-    return {"teacher_payload_mb": sum(s.nbytes() for s in scores) / 2**20}
+    size = scores.payload_bytes if isinstance(scores, Scored) else sum(s.nbytes() for s in scores)
+    return {"teacher_payload_mb": size / 2**20}
 
 
 def with_reverse_kl_headline(metrics: dict[str, float]) -> dict[str, float]:

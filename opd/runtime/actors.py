@@ -119,6 +119,16 @@ class TeacherWorker(_PolicyHost):
                                   supervision.scoring, supervision.top_k, supervision.score_batch_tokens)
 
 
+    def score_split(self, trajs: list[Trajectory], supervision: Any) -> tuple[list, tuple[list, int]]:
+        """:meth:`score`, and beside it the light part for the driver: each trajectory's scores
+        of the sampled tokens only, and the whole answer's size in bytes (under Ray, two
+        returns: the whole answer stays in the object store until the trainer takes it)."""
+        from opd.generation.base import TokenScores
+
+        scores = self.score(trajs, supervision)
+        return scores, ([TokenScores(s.logprobs) for s in scores], sum(s.nbytes() for s in scores))
+
+
 class RolloutWorker(_PolicyHost):
     """The student's inference engine: plays episodes and takes the trainer's weights."""
 
@@ -238,6 +248,28 @@ class RayWorkers:
         refs = [self.teachers[k].score.remote(part, supervision)
                 for k, (_, part) in enumerate(shares(trajs, len(self.teachers)))]
         return [scores for part in self._await(refs, "teacher", "score") for scores in part]
+
+    def score_for_training(self, trajs: list[Trajectory], supervision: Any) -> Any:
+        """The teachers' scores left in the object store: the driver fetches only the light part
+        (:meth:`TeacherWorker.score_split`)."""
+        from opd.algorithms.base import Scored
+
+        whole, light = [], []
+        for k, (_, part) in enumerate(shares(trajs, len(self.teachers))):
+            heavy_ref, light_ref = self.teachers[k].score_split.options(num_returns=2).remote(part, supervision)
+            whole.append(heavy_ref)
+            light.append(light_ref)
+        parts = self._await(light, "teacher", "score")
+        return Scored([s for part, _ in parts for s in part], sum(size for _, size in parts), whole)
+
+    def train_built(self, plan: Any) -> dict[str, float]:
+        """Every trainer rank builds ``plan``'s batch from the teachers' refs and trains on it."""
+        import ray
+
+        whole = plan.scored.whole if plan.scored is not None else None
+        trajs = ray.put(plan.trajs) if len(self.trainers) > 1 else plan.trajs
+        refs = [t.train_built.remote(plan.build, trajs, whole, *plan.args) for t in self.trainers]
+        return self._await(refs, "trainer", "train_step")[0]
 
     def train(self, batch) -> dict[str, float]:
         import ray

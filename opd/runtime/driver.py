@@ -219,7 +219,10 @@ def _train_once(cfg: Any, resume: bool, console: Any, spawned: dict[str, Any]) -
     finished = False
     try:
         for step in range(state["step"] + 1, cfg.run.total_steps + 1):
+            tracked = _reset_peak_rss()
             step_metrics = algorithm.train_step(ctx, step)
+            if tracked:
+                step_metrics["memory/driver_peak_rss_mb"] = _peak_rss_mb()
             step_metrics["time/trajectory_write_s"] = ctx.episodes.take_seconds()
             state["train_time_s"] += step_metrics["time/step_s"]
             state["step"] = step
@@ -270,6 +273,26 @@ def _train_once(cfg: Any, resume: bool, console: Any, spawned: dict[str, Any]) -
     write_report_plot(run_dir)
     render_summary(console, summary, cfg)
     return summary
+
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's peak resident memory (Linux: ``/proc/self/clear_refs``), so that
+    :func:`_peak_rss_mb` gives the peak since; False where it cannot be reset."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory (``VmHWM``) in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def _pipelining_note(cfg: Any) -> str:

@@ -82,8 +82,18 @@ class LocalWorkers:
     def score(self, trajs: list[Trajectory], supervision: Any) -> list:
         return self._call("teacher", "score", self.teacher.score, trajs, supervision)
 
+    def score_for_training(self, trajs: list[Trajectory], supervision: Any):
+        from opd.algorithms.base import Scored
+
+        scores, (light, size) = self._call("teacher", "score", self.teacher.score_split, trajs, supervision)
+        return Scored(light, size, scores)
+
     def train(self, batch) -> dict[str, float]:
         return self._call("trainer", "train_step", self.trainer.train_step, batch)
+
+    def train_built(self, plan) -> dict[str, float]:
+        whole = plan.scored.whole if plan.scored is not None else None
+        return self._call("trainer", "train_step", self.trainer.train_built, plan.build, plan.trajs, whole, *plan.args)
 
     def sync_weights(self) -> dict[str, float]:
         """Trainer -> rollout engine: the exported weights, copied into the live model in place."""

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from opd.generation.base import TokenScores
 from opd.generation.packed import causal_forward, head_logits_at, packed_forward
 from opd.losses import combined_loss, needs_reference, resolve_loss
 from opd.training.checkpoint import CheckpointError, check_pickles, safe_torch_load
@@ -473,6 +474,16 @@ class StudentTrainer:
         metrics_sum["learning_rate"] = float(self.engine.get_lr()[0])
         metrics_sum["time/train_inner_s"] = time.perf_counter() - start
         return metrics_sum
+
+    def train_built(self, build, trajs, scores, *args) -> dict[str, float]:
+        """:meth:`train_step` on ``build(trajs, scores, *args)``, built here: ``scores`` is a list
+        of :class:`~opd.generation.base.TokenScores`, ``None``, or Ray object refs each holding
+        one teacher replica's list, fetched here straight from the teachers."""
+        if scores and not isinstance(scores[0], TokenScores):
+            import ray
+
+            scores = [s for part in ray.get(list(scores)) for s in part]
+        return self.train_step(build(trajs, scores, *args))
 
     def _all_max(self, value: int) -> int:
         """The largest of the ranks' ``value``."""

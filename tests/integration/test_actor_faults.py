@@ -35,7 +35,7 @@ def _command(run_dir: Path, cache: Path, *extra: str) -> list[str]:
 def _step_metrics(run_dir: Path) -> dict[int, dict[str, float]]:
     """Each training step's logged values that do not depend on timing."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    timed = ("time/",)
+    timed = ("time/", "memory/")
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(timed) and not k.endswith(("_s", "per_s"))
                         and isinstance(v, (int, float))}
             for r in rows if "time/step_s" in r}

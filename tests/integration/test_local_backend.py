@@ -66,8 +66,8 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 def _timing(key: str) -> bool:
-    """Wall-clock measurements (and throughput derived from them): the only keys that may differ."""
-    return key.startswith("time/") or key.endswith(("_time_s", "_per_s"))
+    """Wall-clock and memory measurements (and throughput derived from them): the only keys that may differ."""
+    return key.startswith(("time/", "memory/")) or key.endswith(("_time_s", "_per_s"))
 
 
 def _assert_same_record(a: dict, b: dict) -> None:
