@@ -74,3 +74,34 @@ def test_roles_on_three_nodes_train_sync_and_checkpoint(three_nodes, tmp_path, m
     assert all(r["time/weight_sync_s"] > 0 and r["train_tokens"] > 0 for r in trained)
     path, state = latest_checkpoint(run_dir)
     assert state["step"] == 2 and (path / "hf" / "model.safetensors").is_file()
+
+
+def test_a_trainer_group_across_nodes_meets_over_tcp_and_replicas_spread(three_nodes, tmp_path, monkeypatch):
+    """Two trainer ranks under ZeRO-3 on two nodes (their rendezvous is TCP on rank 0's node, as
+    across machines) and two rollout replicas on two nodes: two steps train, sync to both
+    replicas and write one optimizer shard per rank."""
+    from opd.cli import main
+    from opd.training.checkpoint import latest_checkpoint
+
+    monkeypatch.setenv("RAY_ADDRESS", three_nodes.address)
+    run_dir = tmp_path / "run"
+    args = [f"run.output_dir={run_dir}", f"student.bootstrap.cache_dir={tmp_path / 'cache'}",
+            f"teacher.bootstrap.cache_dir={tmp_path / 'cache'}", "run.total_steps=2", "run.save_every_steps=1",
+            "resources.placement=strict_spread", "resources.trainer_ranks=2", "resources.rollout_replicas=2",
+            "resources.teacher_cpus=0.25", "resources.rollout_cpus=0.25", "resources.trainer_cpus=0.5",
+            "trainer.zero_stage=3"]
+    assert main(["train", str(TINY), *args]) == 0
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    print("roles on nodes:", json.dumps(summary["placement"], indent=1))
+    trainer_nodes = [n["node_id"] for n in summary["placement"]["trainer"]]
+    rollout_nodes = [n["node_id"] for n in summary["placement"]["rollout"]]
+    assert len(trainer_nodes) == 2 and len(set(trainer_nodes)) == 2
+    assert len(rollout_nodes) == 2 and len(set(rollout_nodes)) == 2
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "time/weight_sync_s" in r]
+    assert [r["step"] for r in trained] == [1, 2]
+    assert all(r["time/weight_sync_s"] > 0 and r["train_tokens"] > 0 and r["loss"] == r["loss"] for r in trained)
+    path, state = latest_checkpoint(run_dir)
+    assert state["step"] == 2 and (path / "hf" / "model.safetensors").is_file()
+    assert len(list((path / "ds" / "state").glob("*optim_states.pt"))) == 2
