@@ -27,7 +27,7 @@ changes nothing in the gradient but the cost.
 
 from __future__ import annotations
 
-from opd.algorithms.base import Algorithm, PolicyHost, RunContext
+from opd.algorithms.base import Algorithm, BatchPlan, PolicyHost, RunContext
 from opd.algorithms.step import (StepClock, episode_metrics, step_tasks, teacher_metrics, train_and_sync,
                                  with_group_advantages, with_reverse_kl_headline)
 from opd.generation.base import TokenScores
@@ -106,16 +106,17 @@ def train_step(ctx: RunContext, step: int) -> dict[str, float]:
     trajs, stats, extra = ctx.workers.run("student", collect_actfirst, ctx.env_factory, tasks, references,
                                           actfirst_settings(ctx), seed)
     clock.lap("generation")
-    scores = ctx.workers.score(trajs, cfg.supervision)
+    scored = ctx.workers.score_for_training(trajs, cfg.supervision)  # the whole answer goes teacher -> trainer
     clock.lap("teacher_scoring")
+    scores = scored.light  # each token's teacher logprob
     ctx.episodes.train_sample(step, trajs, scores, {i: {t: ["aligned"] for t in stats.aligned_turns(i)}
                                                     for i in range(len(trajs))})
-    batch = build_episode_batch(trajs, scores, ctx.fmt.pad_id, ctx.fmt, cfg.rollout.group_size)
-    metrics = train_and_sync(ctx, batch, clock)
+    plan = BatchPlan(build_episode_batch, trajs, scored, (ctx.fmt.pad_id, ctx.fmt, cfg.rollout.group_size))
+    metrics = train_and_sync(ctx, plan, clock)
     metrics.update(stats.metrics())
     metrics.update(episode_metrics(trajs, {**extra, "generated_tokens": float(stats.fast_tokens + stats.full_tokens),
                                            "generation_s": stats.generation_s}))
-    metrics.update(teacher_metrics(scores))
+    metrics.update(teacher_metrics(scored))
     metrics["teacher_logprob_per_token"] = sum(sum(s.logprobs) for s in scores) / max(stats.full_tokens, 1)
     return clock.finish(with_reverse_kl_headline(metrics))
 
