@@ -9,17 +9,80 @@ Example:
 
 from __future__ import annotations
 
+import math
+from dataclasses import asdict, dataclass
+
 from opd.algorithms.base import Role, RunContext
-from opd.trajectory import success_rate
+from opd.trajectory import Trajectory, success_rate
+
+# What an environment reports at an episode's end besides success, averaged over the held-out
+# episodes that report it: ScienceWorld's and TextWorld's score, the clinical simulator's value,
+# questions asked and premature commitments (a share).
+ENV_FIGURES = ("score", "value", "questions_asked", "premature_commitment")
 
 
 def evaluate(ctx: RunContext, who: Role, step: int = 0) -> dict[str, float]:
     """``who`` plays each of ``ctx.eval_tasks`` once, greedily (``ctx.eval_settings``); returns
-    ``eval/{who}_success``, ``eval/{who}_turns`` (mean per episode) and ``eval/{who}_time_s``."""
+    ``eval/{who}_success``, ``eval/{who}_return`` and ``eval/{who}_turns`` (means per episode),
+    ``eval/{who}_time_s``, and each of :data:`ENV_FIGURES` the environment reports
+    (``eval/{who}_value`` ...)."""
     trajs, gen = ctx.workers.collect(who, ctx.env_factory, ctx.eval_tasks, ctx.eval_settings, ctx.cfg.run.seed)
     ctx.episodes.evaluation(step, who, trajs)
     return {
         f"eval/{who}_success": success_rate(trajs),
+        f"eval/{who}_return": sum(t.total_reward for t in trajs) / max(len(trajs), 1),
         f"eval/{who}_turns": sum(len(t.turns) for t in trajs) / max(len(trajs), 1),
         f"eval/{who}_time_s": gen["generation_s"],
+        **{f"eval/{who}_{k}": v for k, v in env_figures(trajs).items()},
     }
+
+
+def env_figures(trajs: list[Trajectory]) -> dict[str, float]:
+    """The mean of each :data:`ENV_FIGURES` entry in the episodes' last info (a bool as a share),
+    over the episodes that report it."""
+    out = {}
+    for key in ENV_FIGURES:
+        values = [float(t.turns[-1].info[key]) for t in trajs if t.turns and isinstance(t.turns[-1].info.get(key),
+                                                                                         (int, float))]
+        if values:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+@dataclass(frozen=True)
+class TeacherCheck:
+    """Whether the teacher beats the student on the held-out tasks before training: ``margin``
+    (teacher minus student success) against ``noise`` (two standard errors of that difference,
+    binomial, over ``episodes`` each)."""
+
+    teacher_success: float
+    student_success: float
+    episodes: int
+    margin: float
+    noise: float
+    teacher_better: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def message(self) -> str:
+        """What is wrong and what to do (for a teacher that is not better)."""
+        where = "below" if self.margin < 0 else "not clearly above"
+        return (f"the teacher is {where} the student on the {self.episodes} held-out tasks before training: teacher "
+                f"{100 * self.teacher_success:.1f}%, student {100 * self.student_success:.1f}% (a margin of "
+                f"{100 * self.margin:+.1f} points; noise, two standard errors: {100 * self.noise:.1f}). OPD pulls the "
+                "student toward the teacher, so the student will likely not improve and may get worse. Use a stronger "
+                "teacher (teacher.path, or more teacher.bootstrap.sft_steps / n_episodes), evaluate on more tasks "
+                "(run.eval_episodes), or try the other view (supervision.teacher_view). run.teacher_check: error "
+                "stops a run here; ignore silences it.")
+
+
+def check_teacher(teacher_success: float, student_success: float, episodes: int) -> TeacherCheck:
+    """:class:`TeacherCheck` of the step-0 evaluation: the teacher counts as better when its
+    success exceeds the student's by more than two standard errors of the difference (and by
+    something: two policies at 0% or at 100% are not told apart)."""
+    n = max(int(episodes), 1)
+    t, s = float(teacher_success), float(student_success)
+    noise = 2 * math.sqrt(t * (1 - t) / n + s * (1 - s) / n)
+    margin = t - s
+    return TeacherCheck(t, s, n, margin, noise, margin > noise and margin > 0)

@@ -128,12 +128,25 @@ def render_summary(console: Any, summary: dict[str, Any], cfg: Any) -> None:
     table = Table(title=f"opd summary: {cfg.name} ({summary['eval_episodes']} held-out tasks, greedy)")
     table.add_column("policy")
     table.add_column("held-out success", justify="right")
-    teacher_src = _source(cfg.teacher)
-    student_src = _source(cfg.student)
-    table.add_row(f"teacher ({teacher_src})", fmt(summary["teacher_success"]))
-    table.add_row(f"student before ({student_src})", fmt(summary["student_success_before"]))
-    table.add_row(f"student after {summary['steps']} OPD steps", fmt(summary["student_success_after"]))
+    # What the environment reports besides success (mean return, score, value, questions asked...).
+    figures = summary.get("heldout") or {}
+    extra = sorted({k for row in figures.values() for k in row} - {"turns"})
+    for key in extra:
+        table.add_column(key.replace("_", " "), justify="right")
+
+    def row(label: str, success: float | None, who: str) -> None:
+        values = [figures.get(who, {}).get(key) for key in extra]
+        table.add_row(label, fmt(success), *("n/a" if v is None else f"{v:.3g}" for v in values))
+
+    row(f"teacher ({_source(cfg.teacher)})", summary["teacher_success"], "teacher")
+    row(f"student before ({_source(cfg.student)})", summary["student_success_before"], "student_before")
+    row(f"student after {summary['steps']} OPD steps", summary["student_success_after"], "student_after")
     console.print(table)
+    check = summary.get("teacher_check")
+    if check and not check["teacher_better"]:
+        console.print(f"[bold yellow]the teacher was not clearly better than the student before training[/] "
+                      f"(margin {100 * check['margin']:+.1f} points, noise {100 * check['noise']:.1f}): see the "
+                      "warning at the start of the run")
     split = summary["time_split"]
     console.print(
         f"training wall time {summary['train_time_s']:.0f}s; per step: generation {split['generation_s_per_step']:.2f}s, "

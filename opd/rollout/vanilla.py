@@ -24,7 +24,8 @@ from opd.generation.base import SamplingParams
 from opd.rollout.env_pool import EnvFailure, InProcessEnvs
 from opd.trajectory import Trajectory, Turn
 
-INFO_KEYS = ("success", "valid_action", "expert_action", "turn", "score")
+INFO_KEYS = ("success", "valid_action", "expert_action", "turn", "score", "value", "questions_asked",
+             "premature_commitment")
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ RESUMABLE_KEYS = ("run.total_steps", "run.eval_every_steps", "run.save_every_ste
                   "resources.actor_timeout_s", "logging.wandb_project", "logging.wandb_mode", "logging.mlflow",
                   "run.backend",  # the same run on Ray or in one process (resume a step under pdb)
                   "run.async_steps",  # overlap or not: the resumed step rolls out with the checkpoint's weights either way
-                  "run.max_restarts", "resources.placement_timeout_s",
+                  "run.max_restarts", "resources.placement_timeout_s", "run.teacher_check",
                   # replicas change where the work runs, not its result (the trainer's ZeRO shards
                   # are checked against its rank count when they are loaded)
                   "resources.teacher_replicas", "resources.rollout_replicas", "resources.trainer_ranks")
@@ -120,7 +120,7 @@ def _train_once(cfg: Any, resume: bool, console: Any, spawned: dict[str, Any]) -
     from opd.algorithms.base import RunContext, StepRollouts
     from opd.chat import ChatFormat
     from opd.envs import EnvFactory
-    from opd.evaluation.heldout import evaluate
+    from opd.evaluation.heldout import check_teacher, evaluate
     from opd.evaluation.trajectories import RunEpisodes
     from opd.evaluation.report import Progress, render_summary, write_report_plot
     from opd.models import TokenizerMismatchError, check_tokenizers_match, load_tokenizer
@@ -212,6 +212,13 @@ def _train_once(cfg: Any, resume: bool, console: Any, spawned: dict[str, Any]) -
         metrics.write(0, record)
         log(f"before training: teacher success {record['eval/teacher_success']:.2f}, "
             f"student success {record['eval/student_success']:.2f} on {len(eval_tasks)} held-out tasks")
+        if algorithm.uses_teacher and cfg.run.teacher_check != "ignore":
+            check = check_teacher(record["eval/teacher_success"], record["eval/student_success"], len(eval_tasks))
+            state["teacher_check"] = check.as_dict()
+            if not check.teacher_better:
+                if cfg.run.teacher_check == "error":
+                    raise RunError(f"{check.message()} (run.teacher_check: error)")
+                log(f"[bold yellow]warning:[/] {check.message()}")
 
     nonfinite_streak = 0
     progress = Progress(console, total=cfg.run.total_steps, start=state["step"])
@@ -264,6 +271,8 @@ def _train_once(cfg: Any, resume: bool, console: Any, spawned: dict[str, Any]) -
         "steps": state["step"],
         "train_time_s": state["train_time_s"],
         "eval_episodes": len(eval_tasks),
+        **({"teacher_check": state["teacher_check"]} if state.get("teacher_check") else {}),
+        "heldout": _heldout_figures(state["evals"]),
         "run_dir": str(run_dir),
         "time_split": _time_split(run_dir / "metrics.jsonl"),
         **({"placement": placement} if placement else {}),
@@ -273,6 +282,25 @@ def _train_once(cfg: Any, resume: bool, console: Any, spawned: dict[str, Any]) -
     write_report_plot(run_dir)
     render_summary(console, summary, cfg)
     return summary
+
+
+def _heldout_figures(evals: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """The held-out figures besides success (mean return, turns and what the environment
+    reports: score, value, questions asked, ...) of the teacher, the student before training
+    and the student at the last evaluation."""
+    def of(record: dict[str, Any], who: str) -> dict[str, float]:
+        prefix = f"eval/{who}_"
+        return {k[len(prefix):]: v for k, v in record.items()
+                if k.startswith(prefix) and not k.endswith(("_time_s", "_success"))}
+
+    first = next((e for e in evals if e.get("step") == 0), None)
+    last = next((e for e in reversed(evals) if e.get("step", 0) > 0 and "eval/student_success" in e), None)
+    out = {}
+    if first is not None:
+        out["teacher"], out["student_before"] = of(first, "teacher"), of(first, "student")
+    if last is not None:
+        out["student_after"] = of(last, "student")
+    return {k: v for k, v in out.items() if v}
 
 
 def _reset_peak_rss() -> bool:
