@@ -109,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     refs_p.add_argument("overrides", nargs="*")
     verify_p = sub.add_parser("verify", help="check a run directory's checkpoints against their recorded hashes")
     verify_p.add_argument("run_dir")
+    export_p = sub.add_parser("export", help="a checkpoint as a Hugging Face model directory (safetensors, config, "
+                                            "tokenizer, chat template)")
+    export_p.add_argument("run_dir")
+    export_p.add_argument("out", help="the model directory to write (new, or empty)")
+    export_p.add_argument("--step", type=int, help="the checkpoint's step (default: the newest that verifies)")
     args = parser.parse_args(argv)
     # The user's own losses and environments in the current directory import by dotted path (the
     # Ray workers inherit this order); after the installed packages, so a file in the current
@@ -155,6 +160,8 @@ def _command(args: argparse.Namespace, console: Any) -> int:
         for env_id, description in list_envs():
             console.print(f"{env_id:32s} {description}")
         return 0
+    if args.command == "export":
+        return _export(Path(args.run_dir), Path(args.out), args.step, console)
     if args.command == "verify":
         return _verify(Path(args.run_dir), console)
     if args.command == "report":
@@ -203,6 +210,20 @@ def _fractions(text: str) -> list[float]:
         return [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise ConfigError(f"--budgets takes comma-separated fractions such as 0.25,0.5,1 (got {text!r})") from None
+
+
+def _export(run_dir: Path, out: Path, step: int | None, console: Any) -> int:
+    from opd.training.checkpoint import CheckpointError, export_model
+
+    try:
+        done, files = export_model(run_dir, out, step)
+    except CheckpointError as exc:
+        console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+        return 2
+    console.print(f"exported step {done} of {run_dir} to {out} ({', '.join(files)}); load it with "
+                  f"AutoModelForCausalLM.from_pretrained or vLLM, or publish it with: "
+                  f"huggingface-cli upload YOUR_NAME/MODEL_NAME {out}", soft_wrap=True)
+    return 0
 
 
 def _verify(run_dir: Path, console: Any) -> int:

@@ -157,6 +157,52 @@ def latest_checkpoint(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
     return None
 
 
+EXPORT_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "chat_template.jinja")
+
+
+def export_model(run_dir: Path, out: Path, step: int | None = None) -> tuple[int, list[str]]:
+    """Copy checkpoint ``step`` (default: the newest that verifies) of ``run_dir`` out as a
+    standard Hugging Face model directory ``out``: safetensors weights (gathered from the ZeRO
+    shards when the checkpoint was saved), config, generation config, tokenizer and chat
+    template. The checkpoint is verified against its recorded hashes first; ``out`` appears whole
+    (written under a partial name, then renamed). Returns the step and the files written.
+
+    Raises:
+        CheckpointError: no such checkpoint, one that does not verify, an export missing a file,
+            or an ``out`` that already holds files.
+    """
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out} already holds files; export into a new directory")
+    found = [(path, state, reason) for path, state, reason in verified_checkpoints(run_dir)]
+    if not found:
+        raise CheckpointError(f"{run_dir} holds no complete checkpoint (looked in {run_dir / 'checkpoints'})")
+    if step is None:
+        good = next(((path, state) for path, state, _ in found if state is not None), None)
+        if good is None:
+            raise CheckpointError(f"no checkpoint of {run_dir} verifies: " + "; ".join(f"{p.name}: {r}" for p, _, r in found))
+        path, state = good
+    else:
+        match = [(p, s, r) for p, s, r in found if p.name == f"step_{step}"]
+        if not match:
+            raise CheckpointError(f"{run_dir} has no complete checkpoint of step {step} (it has "
+                                  f"{', '.join(p.name for p, _, _ in found)})")
+        path, state, reason = match[0]
+        if state is None:
+            raise CheckpointError(f"{path} does not verify: {reason}")
+    source = path / "hf"
+    missing = [name for name in EXPORT_FILES if not (source / name).is_file()]
+    if missing:
+        raise CheckpointError(f"{source} lacks {', '.join(missing)}: this checkpoint predates the full export")
+    partial = out.with_name(f".partial-{out.name}")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(source, partial)
+    if out.exists():
+        out.rmdir()  # empty, checked above
+    os.replace(partial, out)
+    return int(state["step"]), sorted(p.name for p in out.iterdir())
+
+
 def _allowed_globals() -> list[Any]:
     """The non-tensor classes DeepSpeed's checkpoints pickle (ZeRO 0-3, fp32 and bf16): plain data
     holders whose unpickling sets fields and runs no code of the file's choosing."""
