@@ -497,13 +497,16 @@ def _validate_resources(res: Any, source: str) -> None:
             f"{source}: key 'resources.num_cpus' is {res.num_cpus} but this machine has {cpus_here} CPUs."
         )
     available = res.num_cpus or cpus_here
-    wanted = res.teacher_cpus + res.rollout_cpus + res.trainer_cpus
+    # Each share is per actor: teacher_replicas, rollout_replicas and trainer_ranks actors.
+    counts = {"teacher": res.teacher_replicas, "rollout": res.rollout_replicas, "trainer": res.trainer_ranks}
+    wanted = sum(getattr(res, f"{role}_cpus") * n for role, n in counts.items())
     if wanted > available + 1e-9:
         raise ConfigError(
-            f"{source}: keys 'resources.teacher_cpus' + 'rollout_cpus' + 'trainer_cpus' ask for "
-            f"{wanted:g} CPUs but the local Ray has {available}; lower the shares (fractions are fine)."
+            f"{source}: keys 'resources.teacher_cpus' + 'rollout_cpus' + 'trainer_cpus' (each times its role's "
+            f"actors: teacher_replicas, rollout_replicas, trainer_ranks) ask for {wanted:g} CPUs but the local Ray "
+            f"has {available}; lower the shares (fractions are fine)."
         )
-    gpus = res.teacher_gpus + res.rollout_gpus + res.trainer_gpus
+    gpus = sum(getattr(res, f"{role}_gpus") * n for role, n in counts.items())
     if gpus > 0:
         import torch
 

@@ -54,7 +54,6 @@ def test_export_writes_a_model_that_transformers_and_vllm_load_with_the_trainers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opd.cli import main
-    from opd.losses import resolve_loss  # noqa: F401  (the trainer's registry, as in a run)
     from opd.schema import TrainerConfig
     from opd.training.trainer import StudentTrainer, token_logprobs
     from opd.trajectory import TokenBatch

@@ -38,10 +38,11 @@ OVERRIDES = [
     (["run.eval_episodes=-1"], "key 'run.eval_episodes' is -1"),
     (["run.seed=-1"], "key 'run.seed' is -1; expected 0 <= value"),
     (["run.backend=slurm"], "key 'run.backend' is 'slurm'; expected one of ray, local"),
+    (["resources.num_cpus=1", "resources.trainer_ranks=3"], "ask for 4 CPUs but the local Ray has 1"),
     (["resources.trainer_ranks=0"], "key 'resources.trainer_ranks' is 0; expected 1 <= value"),
-    (["resources.rollout_replicas=2", "run.backend=local"],
+    (["resources.rollout_replicas=2", "resources.rollout_cpus=0.25", "run.backend=local"],
      "resources.rollout_replicas=2 with 'run.backend: local', which runs one of each role in this process"),
-    (["resources.trainer_ranks=2", "trainer.engine=torch"],
+    (["resources.trainer_ranks=2", "resources.trainer_cpus=0.5", "trainer.engine=torch"],
      "key 'resources.trainer_ranks' is 2, but 'trainer.engine: torch' trains on one rank"),
     (["teacher.tensor_parallel_size=2"], "key 'teacher.tensor_parallel_size' is 2: it splits the model over that "
      "many GPUs with the vllm engine, and the teacher has resources.teacher_gpus=0 with engine 'hf'"),
