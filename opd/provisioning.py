@@ -66,6 +66,29 @@ from opd.trajectory import TokenBatch, Trajectory, Turn
 
 TOKENIZER_CORPUS_EPISODES = 300
 CACHE_VERSION = 2  # bump when the recipe of a bootstrapped model, or its environment's text, changes
+# The bootstrap's SFT runs on this many threads whatever the machine: ATen splits a reduction among
+# the threads it has, so the same recipe built with 7 threads and with 1 differed (2.6e-7 after 60
+# steps, then apart), which is how one recipe's teacher scored 75%, 87% and 92% on three machines.
+BOOTSTRAP_THREADS = 2
+
+
+def build_environment() -> dict[str, str]:
+    """What else decides a bootstrapped model's weights bit for bit, part of its cache key: the
+    torch release and the CPU kernels it picks (``AVX2``, ``AVX512``...; oneDNN and MKL round
+    differently on each). The thread count is pinned (:data:`BOOTSTRAP_THREADS`)."""
+    return {"torch": torch.__version__.split("+")[0], "cpu": torch.backends.cpu.get_cpu_capability(),
+            "threads": str(BOOTSTRAP_THREADS)}
+
+
+@contextlib.contextmanager
+def fixed_threads(n: int):
+    """torch's intra-op threads set to ``n`` inside, put back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 CHAT_WORDS = ("user", "assistant", "system", "Invalid action")  # in every environment's tokenizer corpus
 # Before environments named their own words, every tokenizer's corpus was seeded with these; a
 # tokenizer whose environment names them still is the same, and keeps its cache key.
@@ -359,7 +382,8 @@ def bootstrap_key(boot: Any, env_cfg: Any, seed: int) -> str:
     if boot.action_only_prob:
         settings["actfirst_layouts"] = 2  # the standard prompt joined the layouts: new targets, new key
     return _digest({"v": CACHE_VERSION, "boot": settings, "env": env_cfg.id,
-                    "kwargs": _plain(env_cfg.kwargs), "split": env_cfg.train_split, "seed": seed})
+                    "kwargs": _plain(env_cfg.kwargs), "split": env_cfg.train_split, "seed": seed,
+                    "build": build_environment()})
 
 
 def build_bootstrap_model(boot: Any, env_cfg: Any, seed: int, log: Callable[[str], None] = print) -> str:
@@ -393,7 +417,8 @@ def build_bootstrap_model(boot: Any, env_cfg: Any, seed: int, log: Callable[[str
     model = tiny_qwen3(tokenizer, boot.arch, seed=seed).train()
     log(f"bootstrap: SFT of a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter model on "
         f"{boot.n_episodes} {boot.policy} episodes ({len(rows)} sequences) for {boot.sft_steps} steps")
-    sft(model, rows, fmt.pad_id, boot, seed, log)
+    with fixed_threads(BOOTSTRAP_THREADS):  # the same weights on any machine (see BOOTSTRAP_THREADS)
+        sft(model, rows, fmt.pad_id, boot, seed, log)
     with _no_progress_bars():
         save_directory_atomically(directory, lambda d: save_model(model.eval(), tokenizer, d))
     return str(directory)
