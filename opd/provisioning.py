@@ -27,7 +27,9 @@ For ActFirst (``docs/actfirst.md``) three options shape the SFT rows:
   prompt answered with the full response (where ActFirst's full requests are made).
 - ``history: state_grounded`` trains every response after its state-grounded context (past
   turns show their action only), one packed row per episode with each response a branch: the
-  view in which a ``state_grounded`` teacher scores, and ActFirst's student is evaluated.
+  view in which a ``state_grounded`` teacher scores, and ActFirst's student is evaluated;
+  ``history: both`` trains each episode in both layouts (two rows), for a teacher that is at
+  home in either view (``bench/fidelity.py --study view`` compares the views with one teacher).
 
 Their defaults leave the targets, and the cache keys of models built before them, unchanged.
 
@@ -406,7 +408,8 @@ def build_bootstrap_model(boot: Any, env_cfg: Any, seed: int, log: Callable[[str
         for i in range(boot.n_episodes):
             task = tasks[i % len(tasks)]
             steps = scripted_episode(env, task, choose, seed=i, explore_prob=boot.explore_prob, rng=rng)
-            rows.append(_sft_row(steps, task, tokenizer, fmt, boot.think, boot.history))
+            for layout in ("full", "state_grounded") if boot.history == "both" else (boot.history,):
+                rows.append(_sft_row(steps, task, tokenizer, fmt, boot.think, layout))
             if boot.action_only_prob > 0:
                 rows += _actfirst_rows(steps, tokenizer, fmt, boot.action_only_prob, boot.think, action_only_rng)
             if boot.hint_prob > 0:

@@ -60,9 +60,10 @@ class BootstrapConfig:
     tokenizer: str = ""  # "": that trained BPE; "smollm2": SmolLM2's own (offline); or a tokenizer directory
     think: Literal["", "plan"] = ""  # "": the response is the action; "plan": a <think> block (state and plan) before it
     action_only_prob: float = 0.0  # share of turns also trained in ActFirst's action-only prompts
-    history: Literal["full", "state_grounded"] = "full"  # what past turns show in the SFT rows: full (their whole response) |
+    history: Literal["full", "state_grounded", "both"] = "full"  # what past turns show in the SFT rows: full (their whole response) |
     # state_grounded (their action only; one packed row per episode, each response a branch):
-    # the view a state-grounded teacher scores in
+    # the view a state-grounded teacher scores in | both: each episode in both layouts (a teacher
+    # at home in either view, to compare the views with one teacher)
     hint_prob: float = 0.0  # share of turns also trained with PivotOPD's hint line (the self-teacher reads hints)
     seed: Optional[int] = None  # model seed; None: run.seed (teacher) / run.seed + 1 (student)
     cache_dir: str = "~/.cache/opd/bootstrap"  # where built models are kept between runs

@@ -89,3 +89,19 @@ def test_stage_progress_logs_each_tenth_at_most_every_few_seconds_and_a_bar_on_a
         progress.finish("loss 4.0000")
     shown = console.file.getvalue()
     assert "bootstrap: SFT step" in shown and "4/4" in shown and "SFT step 4/4, loss 4.0000 in" in shown
+
+
+def test_history_both_trains_each_episode_in_both_layouts(tmp_path):
+    # One row in the full layout and one packed state-grounded row per episode: twice the
+    # sequences of either layout alone, under a cache key of its own.
+    env = OmegaConf.structured(EnvConfig(id="opd/FrozenLakeText-v0", kwargs={"map_size": 4, "max_turns": 6}))
+    built = {}
+    for history in ("full", "both"):
+        boot = OmegaConf.structured(BootstrapConfig(n_episodes=12, sft_steps=2, batch_size=4, corpus_episodes=10,
+                                                    tokenizer_vocab_size=300, cache_dir=str(tmp_path), history=history))
+        boot.arch.hidden_size, boot.arch.num_heads, boot.arch.num_layers, boot.arch.intermediate_size = 64, 1, 1, 128
+        lines: list[str] = []
+        built[history] = bootstrap.build_bootstrap_model(boot, env, seed=0, log=lines.append)
+        assert any(f"on 12 expert episodes ({12 * (2 if history == 'both' else 1)} sequences)" in line
+                   for line in lines), lines
+    assert built["full"] != built["both"]
