@@ -3,7 +3,8 @@
 Eight procedurally generated game families (cooking, TextWorld Commonsense tidying, coin
 collecting, map reading, arithmetic, sorting, Simon says, pecking order), each game built from a
 seed. The engine's own seed folds are the splits: train seeds 0-999, dev ("eval") 10000-10999 and
-test 20000-20999 per game. Task ids read ``twx-<game>-<seed>``, e.g. ``"twx-coin-10003"``.
+test 20000-20999 per game; ``train_seen`` (0-899) and ``eval_seen`` (900-999) cut the train
+fold, for held-out games over the objects seen in training. Task ids read ``twx-<game>-<seed>``, e.g. ``"twx-coin-10003"``.
 Steps take well under a millisecond.
 
 Where this departs from the package's ``TextWorldExpressEnv`` wrapper, and why:
@@ -43,9 +44,14 @@ from environments.scienceworld_env import (
 
 GAME_NAMES: tuple[str, ...] = ("cookingworld", "twc", "coin", "mapreader", "arithmetic", "sorting", "simonsays",
                                "peckingorder")
-SPLITS: tuple[str, ...] = ("train", "eval", "test")
+SPLITS: tuple[str, ...] = ("train", "eval", "test", "train_seen", "eval_seen")
 # The engine's seed folds (identical for every game); tests check them against the engine.
-SPLIT_SEEDS: dict[str, range] = {"train": range(0, 1000), "eval": range(10000, 11000), "test": range(20000, 21000)}
+SPLIT_SEEDS: dict[str, range] = {"train": range(0, 1000), "eval": range(10000, 11000), "test": range(20000, 21000),
+                                  # The engine's dev and test folds name objects its train fold never
+                                  # does (simonsays: other fruit and gestures), which a model trained
+                                  # from scratch cannot name. These two cut the train fold instead:
+                                  # held-out games over the vocabulary seen in training.
+                                  "train_seen": range(0, 900), "eval_seen": range(900, 1000)}
 _ENGINE_FOLD = {"train": "train", "eval": "dev", "test": "test"}
 FREE_COMMANDS: frozenset[str] = frozenset({"look around", "inventory", "task"})
 _INVALID_PREFIX = "Unknown action"

@@ -61,6 +61,29 @@ def test_splits_are_the_engine_seed_folds(env) -> None:
         env.task_ids("dev")
 
 
+def test_seen_splits_cut_the_train_fold_and_keep_its_vocabulary() -> None:
+    env = TextWorldExpressTextEnv(game_names=["simonsays"])
+    try:
+        train_seen, eval_seen = env.task_ids("train_seen"), env.task_ids("eval_seen")
+        assert (len(train_seen), len(eval_seen)) == (900, 100)
+        assert not set(train_seen) & set(eval_seen) and set(train_seen) | set(eval_seen) == set(env.task_ids("train"))
+
+        def objects(tasks):  # what the gold path names after its verb
+            seen = set()
+            for task in tasks:
+                info = env.reset(options={"task": task})[1]
+                while info["expert_action"] is not None:
+                    seen.add(info["expert_action"].split(" ", 1)[1])
+                    info = env.step(info["expert_action"])[4]
+            return seen
+
+        trained = objects(train_seen[:60])
+        assert objects(eval_seen[:20]) <= trained  # held-out games, trained vocabulary
+        assert not objects(env.task_ids("eval")[:20]) & trained  # the engine's dev fold: unseen objects
+    finally:
+        env.close()
+
+
 # ----- expert -----
 @pytest.mark.parametrize("game", GAME_NAMES)
 def test_expert_solves_eval_games(env, game) -> None:
