@@ -163,6 +163,14 @@ def teacher_table(results: list[dict]) -> list[str]:
         lines.append(f"| {group} | {_pct(teacher)} | {_pct(before)} | "
                      + " | ".join(_pct(rows[s]["after"]) if s in rows else "" for s in seeds)
                      + f" | **{_pct(after)}** | {100 * gain:+.0f} pts | {'met' if bar else 'not met'} |")
+    lines += ["", "| environment | held-out figure | teacher | student before | student after (mean) |", "|---|---|---|---|---|"]
+    for group in dict.fromkeys(r["group"] for r in results):
+        rows = [r["heldout"] for r in results if r["group"] == group]
+        names = dict.fromkeys(k for h in rows for part in h.values() for k in part if k != "turns")
+        for name in names:
+            values = [mean([h.get(who, {})[name] for h in rows if name in h.get(who, {})])
+                      for who in ("teacher", "student_before", "student_after")]
+            lines.append(f"| {group} | {name} | " + " | ".join(_fig(v) for v in values) + " |")
     return lines
 
 
@@ -225,8 +233,8 @@ def render(study: Study, results: list[dict], command: str) -> str:
     wall = sum(r["wall_s"] for r in results if not math.isnan(r["wall_s"]))
     cpu = sum(r["cpu_s"] for r in results if not math.isnan(r["cpu_s"]))
     lines += ["", f"{len(results)} runs: {wall / 60:.0f} min of wall time and {cpu / 60:.0f} min of CPU time in all "
-                  "(bootstraps included: the first run of a recipe builds its teacher and student; "
-                  "the machine's busy CPU time while the runs ran, 2 cores)."]
+                  "(the machine's busy CPU time while the runs ran, 2 cores; a run that did not find its "
+                  "teacher and student in the bootstrap cache built them, and that is counted in it)."]
     return "\n".join(lines) + "\n"
 
 

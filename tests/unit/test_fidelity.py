@@ -58,12 +58,23 @@ def test_teacher_table_applies_the_bar():
         # teacher 60%, student 52% -> 57%: 5 points, at least half the gap (4): met
         *(_record("D", "OPD", s, 0.6, 0.52, 0.57) for s in (0, 1, 2)),
     ]
-    rows = {line.split(" | ")[0].strip("| "): line for line in fidelity.teacher_table(results)[2:]}
+    lines = fidelity.teacher_table(results)
+    rows = {line.split(" | ")[0].strip("| "): line for line in lines[2:lines.index("")]}
     assert rows["A"].endswith("| **50%** | +30 pts | met |")
     assert "| 40% | 50% | 60% |" in rows["A"]
     assert rows["B"].endswith("| **78%** | +8 pts | not met |")
     assert rows["C"].endswith("not met |")
     assert rows["D"].endswith("| +5 pts | met |")
+
+
+def test_teacher_table_gives_the_environments_own_figures():
+    results = [_record("clinical", "OPD", s, 0.8, 0.5, 0.5, student_before={"value": -0.9, "turns": 3.0},
+                       student_after={"value": v, "turns": 6.0}) for s, v in ((0, -1.0), (1, -0.8))]
+    for r in results:
+        r["heldout"]["teacher"] = {"value": 0.6, "turns": 4.0}
+    lines = fidelity.teacher_table(results)
+    assert "| clinical | value | 0.6 | -0.9 | -0.9 |" in lines  # after: the mean of -1.0 and -0.8
+    assert not any("| turns |" in line for line in lines)
 
 
 def test_arm_table_reports_each_arm_beside_the_student_before(tmp_path):
