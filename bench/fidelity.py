@@ -24,7 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,8 +47,6 @@ class Study:
     claim: str  # what the paper says, in a line
     arms: tuple[Arm, ...]
     figures: tuple[str, ...] = ()  # held-out figures besides success (summary.json's heldout keys)
-    baseline: str = ""  # the arm label each group is compared with ("" : the student before training)
-    notes: list[str] = field(default_factory=list)
 
 
 # The view study needs a student that reasons before it acts (its reasoning is what the full view
@@ -79,7 +77,6 @@ STUDIES: dict[str, Study] = {s.name: s for s in (
                   "TextWorldExpress simonsays") for view in ("state_grounded", "full")),
         ),
         figures=("return",),
-        baseline="full",
     ),
     Study(
         name="clinical_reward",
@@ -89,7 +86,6 @@ STUDIES: dict[str, Study] = {s.name: s for s in (
             for setting in ("diagnostic", "refill", "titration") for reward in ("outcome", "outcome_info_gain")
         ),
         figures=("value", "questions_asked", "premature_commitment", "high_risk_value"),
-        baseline="outcome",
     ),
 )}
 
