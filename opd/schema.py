@@ -73,7 +73,7 @@ class BootstrapConfig:
 class ModelConfig:
     """A causal LM named by hub id or local directory, or built by ``bootstrap``."""
 
-    path: str = ""  # hub id or local dir; empty when ``bootstrap`` builds the model
+    path: str = ""  # hub id or local dir ("smollm2": SmolLM2-135M-Instruct, offline); empty when ``bootstrap`` builds the model
     engine: Literal["hf", "vllm", "auto"] = "auto"  # auto: vllm when this role's actor has a GPU, hf on CPU
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights and compute
     trust_remote_code: bool = False  # run code shipped with the model; off unless you trust it

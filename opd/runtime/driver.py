@@ -30,6 +30,7 @@ from opd.runtime.errors import RunError, WorkerError
 from opd.runtime.tracking import Trackers, require_backends
 from opd.training.checkpoint import (CheckpointError, atomic_write_text, complete_checkpoints, latest_checkpoint,
                                      save_checkpoint, verified_checkpoints)
+from opd.training.trainer import peak_rss_mb
 
 __all__ = ["RESUMABLE_KEYS", "MetricsLog", "RunError", "recipe_changes", "train"]
 
@@ -229,7 +230,7 @@ def _train_once(cfg: Any, resume: bool, console: Any, spawned: dict[str, Any]) -
             tracked = _reset_peak_rss()
             step_metrics = algorithm.train_step(ctx, step)
             if tracked:
-                step_metrics["memory/driver_peak_rss_mb"] = _peak_rss_mb()
+                step_metrics["memory/driver_peak_rss_mb"] = peak_rss_mb()
             step_metrics["time/trajectory_write_s"] = ctx.episodes.take_seconds()
             state["train_time_s"] += step_metrics["time/step_s"]
             state["step"] = step
@@ -305,22 +306,13 @@ def _heldout_figures(evals: list[dict[str, Any]]) -> dict[str, dict[str, float]]
 
 def _reset_peak_rss() -> bool:
     """Reset this process's peak resident memory (Linux: ``/proc/self/clear_refs``), so that
-    :func:`_peak_rss_mb` gives the peak since; False where it cannot be reset."""
+    :func:`~opd.training.trainer.peak_rss_mb` gives the peak since; False where it cannot be reset."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         return True
     except OSError:
         return False
-
-
-def _peak_rss_mb() -> float:
-    """This process's peak resident memory (``VmHWM``) in MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _pipelining_note(cfg: Any) -> str:

@@ -251,6 +251,18 @@ def lr_multiplier(warmup_steps: int, total_steps: int, schedule: str = "constant
     return factor
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (Linux ``VmHWM``) in MiB; 0 where it is not reported."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
 def cpu_has_bf16_kernels() -> bool:
     """Whether oneDNN has bfloat16 matmul kernels for this CPU (they need AVX-512, or Arm's BF16).
     Without them PyTorch's bfloat16 matrix products take a generic path, far slower than float32."""
@@ -473,6 +485,9 @@ class StudentTrainer:
         metrics_sum["train_row_tokens"] = float(batch.attention_mask_BT.sum())  # what the forward computes
         metrics_sum["learning_rate"] = float(self.engine.get_lr()[0])
         metrics_sum["time/train_inner_s"] = time.perf_counter() - start
+        # The trainer process's peak resident memory so far (on the local backend that process is
+        # the driver, which resets the peak at each step's start).
+        metrics_sum["memory/trainer_peak_rss_mb"] = peak_rss_mb()
         return metrics_sum
 
     def train_built(self, build, trajs, scores, *args) -> dict[str, float]:

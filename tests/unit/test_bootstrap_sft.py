@@ -36,6 +36,27 @@ def test_length_grouped_sft_makes_the_padded_update(tokenizer, fmt, monkeypatch)
     assert max((params[0][k] - params[100][k]).abs().max().item() for k in before) < 1e-5
 
 
+def test_head_at_targets_sft_makes_the_full_head_update(tokenizer, fmt):
+    """With a real tokenizer the bootstrap's SFT runs the LM head on the target positions only:
+    the same update as the full head's, to float rounding."""
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for n in (30, 60, 45):
+        ids = torch.randint(5, 250, (n,), generator=gen).tolist()
+        rows.append({"input_ids": ids, "attention_mask": [1] * n, "loss_mask": [0.0] * (n - 6) + [1.0] * 6,
+                     "behaviour_logprobs": [0.0] * n, "turn_index": [-1] * (n - 6) + [0] * 6})
+    params = {}
+    for name in ("", "a-real-tokenizer"):
+        boot = OmegaConf.structured(BootstrapConfig(sft_steps=3, batch_size=3, learning_rate=1e-2, tokenizer=name))
+        boot.arch.hidden_size, boot.arch.num_heads, boot.arch.num_layers = 64, 1, 1
+        model = bootstrap.tiny_qwen3(tokenizer, boot.arch, seed=0).train()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        bootstrap.sft(model, rows, fmt.pad_id, boot, seed=0, log=lambda _: None)
+        params[name] = model.state_dict()
+    assert max((params[""][k] - before[k]).abs().max().item() for k in before) > 1e-3  # the steps did train
+    assert max((params[""][k] - params["a-real-tokenizer"][k]).abs().max().item() for k in before) < 1e-5
+
+
 def test_a_bootstrap_build_reports_its_progress(tmp_path, monkeypatch):
     # Every tenth of each stage (the minimum interval off: this build takes seconds), then a closing line.
     monkeypatch.setattr(bootstrap, "PROGRESS_MIN_INTERVAL_S", 0.0)

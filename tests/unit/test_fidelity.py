@@ -95,13 +95,14 @@ def test_arm_table_reports_each_arm_beside_the_student_before(tmp_path):
 
 
 def test_a_finished_run_is_read_not_rerun(tmp_path):
-    arm = fidelity.STUDIES["teachers"].arms[0]
+    study = fidelity.STUDIES["teachers"]
+    arm = study.arms[0]
     run_dir = fidelity.run_dir_of(tmp_path, arm, 3)
     run_dir.mkdir(parents=True)
     (run_dir / "summary.json").write_text(json.dumps({
         "teacher_success": 0.9, "student_success_before": 0.1, "student_success_after": 0.6, "train_time_s": 12.0,
         "steps": 5, "heldout": {"teacher": {"return": 0.8}}}))
-    record = fidelity.run_arm(arm, 3, tmp_path, None, [])  # would fail if it ran opd (no such tmp recipe output)
+    record = fidelity.run_arm(study, arm, 3, tmp_path, None, [])  # would fail if it ran opd (no such tmp recipe output)
     assert (record["teacher"], record["before"], record["after"], record["heldout"]["teacher"]["return"]) == (0.9, 0.1, 0.6, 0.8)
     assert math.isnan(record["cpu_s"])  # no cost file: the run's cost is unknown, not zero
 
@@ -110,3 +111,61 @@ def test_machine_cpu_time_grows_with_work():
     before = fidelity.machine_cpu_s()
     sum(i * i for i in range(3_000_000))
     assert fidelity.machine_cpu_s() - before > 0.05
+
+
+def test_grid_tables_put_base_beside_trained_per_budget_and_state_kind(tmp_path):
+    """The multiturn_rl study's tables from opd eval's and opd compare's result files."""
+    study = fidelity.STUDIES["multiturn_rl"]
+    records = []
+    for seed, (base, trained, better) in enumerate([(0.5, 0.75, 0.25), (0.25, 0.25, 0.5)]):
+        run_dir = tmp_path / f"r{seed}"
+        (run_dir / "eval").mkdir(parents=True)
+        for who, value in (("base", base), ("trained", trained)):
+            entries = [{"turns": t, "fraction": f, "k": k, "value": value + (0.1 if k == 4 else 0.0), "low": 0, "high": 1}
+                       for t, f in ((4, 0.5), (8, 1.0)) for k in (1, 2, 3, 4)]
+            (run_dir / "eval" / f"{who}.json").write_text(json.dumps({"pass_at_k": entries}))
+        share = {"better": better, "equal": 1 - better, "worse": 0.0, "n": 10}
+        empty = {"better": 0.0, "equal": 0.0, "worse": 0.0, "n": 0}
+        (run_dir / "eval" / "compare_base_vs_trained.json").write_text(json.dumps({
+            "overall": share, "by_stage": {"early": share, "middle": share, "late": empty},
+            "by_recovery": {"error_recovery": share, "on_track": empty}}))
+        records.append({"group": "FrozenLake", "seed": seed, "grid": fidelity.read_grid(run_dir)})
+    lines = fidelity.grid_tables(records)
+    row = next(line for line in lines if line.startswith("| FrozenLake | 0.5 | 1 |"))
+    assert row == "| FrozenLake | 0.5 | 1 | 38% (50%, 25%) | 50% (75%, 25%) | +12 pts |"
+    assert not any(line.startswith("| FrozenLake | 0.5 | 2 |") for line in lines)  # only k = 1 and k = samples
+    assert any(line.startswith("| FrozenLake | 1 | 4 | 48% (60%, 35%)") for line in lines)
+    recovery = next(line for line in lines if line.startswith("| FrozenLake | error recovery |"))
+    assert recovery == "| FrozenLake | error recovery | 20 | 38% (25%, 50%) | 62% (75%, 50%) | 0% (0%, 0%) | 100% |"
+    late = next(line for line in lines if line.startswith("| FrozenLake | stage: late |"))
+    assert late.endswith("| 0 | n/a | n/a | n/a | n/a |")
+    assert study.grid and fidelity.GRID_SAMPLES == 4
+
+
+def test_per_step_reads_cost_and_memory_from_the_training_steps(tmp_path):
+    rows = [{"step": 0, "eval/student_success": 0.0},
+            {"step": 1, "time/step_s": 30.0, "teacher_payload_mb": 0.5, "memory/trainer_peak_rss_mb": 2000.0,
+             "memory/driver_peak_rss_mb": 700.0, "valid_action_rate": 0.1},
+            {"step": 2, "time/step_s": 10.0, "teacher_payload_mb": 0.7, "memory/trainer_peak_rss_mb": 2500.0,
+             "memory/driver_peak_rss_mb": 650.0, "valid_action_rate": 0.2},
+            {"step": 3, "time/step_s": 20.0, "teacher_payload_mb": 0.6, "memory/trainer_peak_rss_mb": 2400.0,
+             "memory/driver_peak_rss_mb": 690.0, "valid_action_rate": 0.6}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    got = fidelity.per_step(tmp_path)
+    assert got == {"step_s": 20.0, "teacher_payload_mb": 0.6, "trainer_peak_rss_mb": 2500.0, "driver_peak_rss_mb": 700.0,
+                   "valid_action_first": 0.1, "valid_action_last": 0.6}
+    line = fidelity.step_table([{"group": "SQL", "seed": 0, "per_step": got}])[-1]
+    assert line == "| SQL | 0 | 20.0 s | 0.6 MiB | 2,500 MiB | 700 MiB | 10% → 60% |"
+    assert fidelity.per_step(tmp_path / "missing") == {}
+
+
+def test_better_of_differing_states_pools_the_seeds_by_their_state_counts():
+    parts = [{"better": 0.2, "equal": 0.6, "worse": 0.2, "n": 10}, {"better": 0.5, "equal": 0.0, "worse": 0.5, "n": 30}]
+    empty = {"better": 0.0, "equal": 0.0, "worse": 0.0, "n": 0}
+    records = [{"group": "G", "seed": s, "grid": {"pass_at_k": {}, "compare": {"all": p, "stage: late": empty}}}
+               for s, p in enumerate(parts)]
+    row = next(line for line in fidelity.grid_tables(records) if line.startswith("| G | all |"))
+    assert row.endswith("| 50% |")  # (2 + 15) better of (2 + 15) + (2 + 15) differing
+    records[1]["grid"]["compare"]["all"] = {"better": 0.1, "equal": 0.0, "worse": 0.9, "n": 30}
+    row = next(line for line in fidelity.grid_tables(records) if line.startswith("| G | all |"))
+    assert row.endswith("| 15% |")  # (2 + 3) of (2 + 3) + (2 + 27): 5 of 34
