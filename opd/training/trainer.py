@@ -473,10 +473,12 @@ class StudentTrainer:
         self.engine.step()
         self.steps += 1
         metrics_sum["nonfinite_loss"] = float(nonfinite)
+        peak = peak_rss_mb()
         if self.world_size > 1:
             parts: list[Any] = [None] * self.world_size
-            torch.distributed.all_gather_object(parts, (metrics_sum, weights))
-            metrics_sum, weights = merge_metrics(parts)
+            torch.distributed.all_gather_object(parts, (metrics_sum, weights, peak))
+            peak = max(part[2] for part in parts)
+            metrics_sum, weights = merge_metrics([part[:2] for part in parts])
         metrics_sum = finish_metrics(metrics_sum, weights)
         metrics_sum["nonfinite_loss"] = float(metrics_sum["nonfinite_loss"] > 0)
         metrics_sum["grad_norm"] = float(own_norm if own_norm is not None else self.engine.get_global_grad_norm() or 0.0)
@@ -485,9 +487,9 @@ class StudentTrainer:
         metrics_sum["train_row_tokens"] = float(batch.attention_mask_BT.sum())  # what the forward computes
         metrics_sum["learning_rate"] = float(self.engine.get_lr()[0])
         metrics_sum["time/train_inner_s"] = time.perf_counter() - start
-        # The trainer process's peak resident memory so far (on the local backend that process is
-        # the driver, which resets the peak at each step's start).
-        metrics_sum["memory/trainer_peak_rss_mb"] = peak_rss_mb()
+        # The largest trainer rank's peak resident memory so far (on the local backend that process
+        # is the driver, which resets the peak at each step's start).
+        metrics_sum["memory/trainer_peak_rss_mb"] = peak
         return metrics_sum
 
     def train_built(self, build, trajs, scores, *args) -> dict[str, float]:
