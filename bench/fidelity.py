@@ -52,6 +52,7 @@ class Study:
     seeds: tuple[int, ...] = (0, 1, 2)  # --seeds' default
     grid: bool = False  # after each run: opd eval's pass@k x turn-budget grid of the base and the trained
     # student, and opd compare's matched states between them (the multi-turn RL paper's measures)
+    step_costs: bool = False  # a table of what a training step cost (time, payload, peak memory)
 
 
 # The view study needs a student that reasons before it acts (its reasoning is what the full view
@@ -105,6 +106,7 @@ STUDIES: dict[str, Study] = {s.name: s for s in (
         arms=(Arm("OPD", "sql_smollm2.yaml", group="SQL, SmolLM2-135M student"),),
         figures=("return",),
         seeds=(0,),  # one short run: a SmolLM2 step is tens of seconds on 2 cores
+        step_costs=True,
     ),
 )}
 
@@ -375,7 +377,7 @@ def render(study: Study, results: list[dict], command: str) -> str:
     lines = [f"# {study.name}", "", f"Claim: {study.claim}.", "", f"Command: `{command}`", ""]
     lines += teacher_table(results) if study.name == "teachers" else arm_table(study, results)
     lines += grid_tables(results)
-    if study.name == "smollm2":
+    if study.step_costs:
         lines += step_table(results)
     wall = sum(r["wall_s"] for r in results if not math.isnan(r["wall_s"]))
     cpu = sum(r["cpu_s"] for r in results if not math.isnan(r["cpu_s"]))

@@ -191,7 +191,7 @@ def resolve_model_path(model_cfg: Any, env_cfg: Any, seed: int, log: Callable[[s
             seed = model_cfg.bootstrap.seed
         return build_bootstrap_model(model_cfg.bootstrap, env_cfg, seed, log)
     if model_cfg.path == "smollm2":
-        return smollm2_model_dir(Path(os.path.expanduser("~/.cache/opd")))
+        return smollm2_model_dir()
     return model_cfg.path
 
 
