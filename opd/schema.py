@@ -202,6 +202,8 @@ class RunConfig:
     async_steps: int = 0  # 1: step k+1's rollout runs while step k is scored and trained (weights one update stale)
     teacher_check: Literal["warn", "error", "ignore"] = "warn"  # a teacher not clearly better than the student at
     # step 0 (held-out success, two standard errors): warn on the console and in summary.json, stop the run, or ignore it
+    sampling_check: Literal["warn", "error", "ignore"] = "warn"  # the first step's sampled actions valid far less often
+    # than greedy play at step 0 (more than 25 points): warn on the console and in summary.json, stop the run, or ignore it
     max_restarts: int = 2  # an actor that dies (its process killed): the run restarts every role from the last
     # complete checkpoint and goes on, this many times; then it stops, naming the actor (Ray backend)
 

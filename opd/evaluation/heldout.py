@@ -24,7 +24,8 @@ ENV_FIGURES = ("score", "value", "questions_asked", "premature_commitment")
 def evaluate(ctx: RunContext, who: Role, step: int = 0) -> dict[str, float]:
     """``who`` plays each of ``ctx.eval_tasks`` once, greedily (``ctx.eval_settings``); returns
     ``eval/{who}_success``, ``eval/{who}_return`` and ``eval/{who}_turns`` (means per episode),
-    ``eval/{who}_time_s``, and each of :data:`ENV_FIGURES` the environment reports
+    ``eval/{who}_time_s``, ``eval/{who}_valid_action_rate`` (where the environment says which
+    actions it accepted) and each of :data:`ENV_FIGURES` the environment reports
     (``eval/{who}_value`` ...)."""
     trajs, gen = ctx.workers.collect(who, ctx.env_factory, ctx.eval_tasks, ctx.eval_settings, ctx.cfg.run.seed)
     ctx.episodes.evaluation(step, who, trajs)
@@ -33,8 +34,16 @@ def evaluate(ctx: RunContext, who: Role, step: int = 0) -> dict[str, float]:
         f"eval/{who}_return": sum(t.total_reward for t in trajs) / max(len(trajs), 1),
         f"eval/{who}_turns": sum(len(t.turns) for t in trajs) / max(len(trajs), 1),
         f"eval/{who}_time_s": gen["generation_s"],
+        **({f"eval/{who}_valid_action_rate": valid} if (valid := valid_action_rate(trajs)) is not None else {}),
         **{f"eval/{who}_{k}": v for k, v in env_figures(trajs).items()},
     }
+
+
+def valid_action_rate(trajs: list[Trajectory]) -> float | None:
+    """The share of turns whose action the environment accepted, over the turns whose info says
+    (``valid_action``); ``None`` when no turn does."""
+    flags = [bool(turn.info["valid_action"]) for t in trajs for turn in t.turns if "valid_action" in turn.info]
+    return sum(flags) / len(flags) if flags else None
 
 
 def env_figures(trajs: list[Trajectory]) -> dict[str, float]:
@@ -86,3 +95,40 @@ def check_teacher(teacher_success: float, student_success: float, episodes: int)
     noise = 2 * math.sqrt(t * (1 - t) / n + s * (1 - s) / n)
     margin = t - s
     return TeacherCheck(t, s, n, margin, noise, margin > noise and margin > 0)
+
+
+@dataclass(frozen=True)
+class SamplingCheck:
+    """Whether the student's sampled actions (the first training step's, at the rollout
+    temperature) are about as often valid as its greedy ones (the step-0 evaluation's): where
+    sampling breaks the responses, the teacher grades text unlike anything it was trained on."""
+
+    greedy_valid: float
+    sampled_valid: float
+    temperature: float
+    gap: float
+    sampling_ok: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def message(self) -> str:
+        """What is wrong and what to do (for samples much less valid than greedy play)."""
+        return (f"the student's sampled responses (rollout.temperature {self.temperature:g}) made a valid action "
+                f"in {100 * self.sampled_valid:.1f}% of the first step's turns, against {100 * self.greedy_valid:.1f}% "
+                "greedily before training. OPD trains on the samples, and the teacher grades their broken text "
+                "outside anything it was trained on: the student can get worse while the KL to the teacher falls "
+                "(docs/results.md, the view study). Bootstrap the student longer (student.bootstrap.sft_steps), "
+                "shorten its reasoning, or lower rollout.temperature. run.sampling_check: error stops a run here; "
+                "ignore silences it.")
+
+
+# How far (a share of turns) sampled play may fall below greedy play in valid actions.
+SAMPLING_GAP = 0.25
+
+
+def check_sampling(greedy_valid: float, sampled_valid: float, temperature: float) -> SamplingCheck:
+    """:class:`SamplingCheck` of the first training step: the samples count as sound unless their
+    valid-action rate is more than :data:`SAMPLING_GAP` below the greedy one."""
+    gap = float(greedy_valid) - float(sampled_valid)
+    return SamplingCheck(float(greedy_valid), float(sampled_valid), float(temperature), gap, gap <= SAMPLING_GAP)

@@ -147,6 +147,11 @@ def render_summary(console: Any, summary: dict[str, Any], cfg: Any) -> None:
         console.print(f"[bold yellow]the teacher was not clearly better than the student before training[/] "
                       f"(margin {100 * check['margin']:+.1f} points, noise {100 * check['noise']:.1f}): see the "
                       "warning at the start of the run")
+    check = summary.get("sampling_check")
+    if check and not check["sampling_ok"]:
+        console.print(f"[bold yellow]the student's sampled actions were valid far less often than its greedy ones[/] "
+                      f"({100 * check['sampled_valid']:.1f}% against {100 * check['greedy_valid']:.1f}% at step 1): "
+                      "see the warning at the start of the run")
     split = summary["time_split"]
     console.print(
         f"training wall time {summary['train_time_s']:.0f}s; per step: generation {split['generation_s_per_step']:.2f}s, "

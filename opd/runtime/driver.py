@@ -41,7 +41,7 @@ RESUMABLE_KEYS = ("run.total_steps", "run.eval_every_steps", "run.save_every_ste
                   "resources.actor_timeout_s", "logging.wandb_project", "logging.wandb_mode", "logging.mlflow",
                   "run.backend",  # the same run on Ray or in one process (resume a step under pdb)
                   "run.async_steps",  # overlap or not: the resumed step rolls out with the checkpoint's weights either way
-                  "run.max_restarts", "resources.placement_timeout_s", "run.teacher_check",
+                  "run.max_restarts", "resources.placement_timeout_s", "run.teacher_check", "run.sampling_check",
                   # replicas change where the work runs, not its result (the trainer's ZeRO shards
                   # are checked against its rank count when they are loaded)
                   "resources.teacher_replicas", "resources.rollout_replicas", "resources.trainer_ranks")
@@ -121,7 +121,7 @@ def _train_once(cfg: Any, resume: bool, console: Any, spawned: dict[str, Any]) -
     from opd.algorithms.base import RunContext, StepRollouts
     from opd.chat import ChatFormat
     from opd.envs import EnvFactory
-    from opd.evaluation.heldout import check_teacher, evaluate
+    from opd.evaluation.heldout import check_sampling, check_teacher, evaluate
     from opd.evaluation.trajectories import RunEpisodes
     from opd.evaluation.report import Progress, render_summary, write_report_plot
     from opd.models import TokenizerMismatchError, check_tokenizers_match, load_tokenizer
@@ -209,6 +209,8 @@ def _train_once(cfg: Any, resume: bool, console: Any, spawned: dict[str, Any]) -
         record = {**evaluate(ctx, "teacher"), **evaluate(ctx, "student")}
         state["teacher_success"] = record["eval/teacher_success"]
         state["student_success_before"] = record["eval/student_success"]
+        if "eval/student_valid_action_rate" in record:
+            state["student_valid_before"] = record["eval/student_valid_action_rate"]
         state["evals"].append({"step": 0, **record})
         metrics.write(0, record)
         log(f"before training: teacher success {record['eval/teacher_success']:.2f}, "
@@ -235,6 +237,15 @@ def _train_once(cfg: Any, resume: bool, console: Any, spawned: dict[str, Any]) -
             state["train_time_s"] += step_metrics["time/step_s"]
             state["step"] = step
             nonfinite_streak = nonfinite_streak + 1 if step_metrics.get("nonfinite_loss") else 0
+            if step == 1 and algorithm.uses_teacher and cfg.run.sampling_check != "ignore" \
+                    and "student_valid_before" in state and "valid_action_rate" in step_metrics:
+                check = check_sampling(state["student_valid_before"], step_metrics["valid_action_rate"],
+                                       cfg.rollout.temperature)
+                state["sampling_check"] = check.as_dict()
+                if not check.sampling_ok:
+                    if cfg.run.sampling_check == "error":
+                        raise RunError(f"{check.message()} (run.sampling_check: error)")
+                    log(f"[bold yellow]warning:[/] {check.message()}")
             if cfg.run.eval_every_steps and step % cfg.run.eval_every_steps == 0 and step < cfg.run.total_steps:
                 record = evaluate(ctx, "student", step)
                 step_metrics.update(record)
@@ -273,6 +284,7 @@ def _train_once(cfg: Any, resume: bool, console: Any, spawned: dict[str, Any]) -
         "train_time_s": state["train_time_s"],
         "eval_episodes": len(eval_tasks),
         **({"teacher_check": state["teacher_check"]} if state.get("teacher_check") else {}),
+        **({"sampling_check": state["sampling_check"]} if state.get("sampling_check") else {}),
         "heldout": _heldout_figures(state["evals"]),
         "run_dir": str(run_dir),
         "time_split": _time_split(run_dir / "metrics.jsonl"),

@@ -1,9 +1,11 @@
 """A teacher no better than its student is flagged at step 0: a warning on the console and
 ``teacher_check`` in ``summary.json`` (with the environment's held-out figures beside success),
-or, with ``run.teacher_check: error``, a stopped run naming the figures and what to do.
+or, with ``run.teacher_check: error``, a stopped run naming the figures and what to do. Samples
+far less valid than greedy play are flagged at step 1 the same way (``run.sampling_check``).
 
 The tiny recipe's teacher and student both score 0% on its held-out tasks, so its teacher is not
-better. The real run, on the local backend.
+better; its 5-step student makes valid moves in 75% of its greedy turns but in none of its
+sampled ones. The real run, on the local backend.
 """
 
 from __future__ import annotations
@@ -51,3 +53,25 @@ def test_a_teacher_no_better_than_the_student_is_flagged_or_stops_the_run(tmp_pa
     assert main(_args(tmp_path, "off", "run.teacher_check=ignore")) == 0
     assert "teacher is not clearly above" not in _said(capsys)
     assert "teacher_check" not in json.loads((tmp_path / "off" / "summary.json").read_text())
+
+
+def test_samples_far_less_valid_than_greedy_play_are_flagged_or_stop_the_run(tmp_path, capsys):
+    from opd.cli import main
+
+    assert main(_args(tmp_path, "warn", "run.teacher_check=ignore")) == 0
+    out = _said(capsys)
+    assert "warning: the student's sampled responses (rollout.temperature 1) made a valid action in 0.0% of the " \
+           "first step's turns, against 75.0% greedily before training" in out
+    summary = json.loads((tmp_path / "warn" / "summary.json").read_text())
+    check = summary["sampling_check"]
+    assert (check["sampling_ok"], check["greedy_valid"], check["sampled_valid"]) == (False, 0.75, 0.0)
+    assert summary["heldout"]["student_before"]["valid_action_rate"] == 0.75
+
+    assert main(_args(tmp_path, "error", "run.teacher_check=ignore", "run.sampling_check=error")) == 2
+    out = _said(capsys)
+    assert "made a valid action in 0.0%" in out and "(run.sampling_check: error)" in out
+    assert not (tmp_path / "error" / "summary.json").exists()
+
+    assert main(_args(tmp_path, "off", "run.teacher_check=ignore", "run.sampling_check=ignore")) == 0
+    assert "sampled responses" not in _said(capsys)
+    assert "sampling_check" not in json.loads((tmp_path / "off" / "summary.json").read_text())

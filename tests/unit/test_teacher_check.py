@@ -1,11 +1,13 @@
 """The step-0 check that the teacher beats the student (issue: a teacher at 22% distilled into a
-student at 64% took it to 0% and nothing warned), and the environment's own held-out figures."""
+student at 64% took it to 0% and nothing warned), the step-1 check that the student's samples are
+about as valid as its greedy play (a reasoning student whose samples were 41% valid against 100%
+greedily collapsed to 0% while its KL fell), and the environment's own held-out figures."""
 
 from __future__ import annotations
 
 import pytest
 
-from opd.evaluation.heldout import check_teacher, env_figures
+from opd.evaluation.heldout import check_sampling, check_teacher, env_figures, valid_action_rate
 from opd.trajectory import Trajectory, Turn
 
 
@@ -42,3 +44,27 @@ def test_env_figures_average_what_the_episodes_report():
              _traj({}, 0.0)]
     assert env_figures(trajs) == {"value": 0.5, "questions_asked": 2.0, "premature_commitment": 0.5}
     assert env_figures([_traj({"score": 40}, 0.4), _traj({"score": 100}, 1.0)]) == {"score": 70.0}
+
+
+@pytest.mark.parametrize("greedy,sampled,ok", [
+    (1.0, 0.415, False),   # the view study's reasoning student (60 SFT steps): it collapsed
+    (1.0, 0.86, True),     # the same student after 150 SFT steps: it held
+    (0.30, 0.10, True),    # weak everywhere: no gap to flag (the teacher check is the guard there)
+    (1.0, 0.75, True),     # exactly the allowed gap
+])
+def test_samples_far_less_valid_than_greedy_play_are_flagged(greedy, sampled, ok):
+    check = check_sampling(greedy, sampled, 1.0)
+    assert check.sampling_ok is ok
+    assert check.gap == pytest.approx(greedy - sampled)
+    if not ok:
+        message = check.message()
+        assert f"in {100 * sampled:.1f}% of the first step's turns, against {100 * greedy:.1f}%" in message
+        assert "student.bootstrap.sft_steps" in message and "rollout.temperature" in message
+        assert "run.sampling_check" in message
+
+
+def test_valid_action_rate_counts_only_turns_whose_environment_says():
+    trajs = [_traj({"valid_action": True}, 0.0), _traj({"valid_action": False}, 0.0), _traj({}, 0.0)]
+    trajs[0].turns.append(trajs[1].turns[0])  # the first episode also plays an invalid turn: 1 valid of 3 said
+    assert valid_action_rate(trajs) == pytest.approx(1 / 3)
+    assert valid_action_rate([_traj({}, 0.0)]) is None
