@@ -24,11 +24,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def state_line(observation: str) -> str:
-    """The observation's ``Around you: ...`` line, as the ``plan`` format copies it."""
-    return [line.strip() for line in observation.splitlines() if "Around you" in line][-1]
-
-
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "studies" / "frozenlake_view.yaml"))
@@ -47,7 +42,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     from opd.generation.hf import HFEngine
     from opd.losses import combined_loss
     from opd.models import load_model, load_tokenizer
-    from opd.provisioning import resolve_model_path
+    from opd.provisioning import plan_text, resolve_model_path
     from opd.rollout.vanilla import EpisodeSettings, run_episodes
     from opd.supervision.teacher_view import score_trajectories
     from opd.training.trainer import student_logprobs_at, trained_positions_BT
@@ -78,7 +73,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         ids = row["input_ids"]
         observations = [traj.initial_observation] + [turn.observation for turn in traj.turns]
         for (start, end), obs in zip(row["response_positions"], observations):
-            true_ids = tokenizer.encode(" State: " + state_line(obs), add_special_tokens=False)
+            # The state part of the bootstrap's own target for this observation.
+            true_ids = tokenizer.encode(" " + plan_text(obs, "").split(" Plan:")[0], add_special_tokens=False)
             turns += 1
             for j, (wrote, true) in enumerate(zip(ids[start + 1:end], true_ids)):  # after <think>
                 if wrote != true:

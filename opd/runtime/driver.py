@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from opd.config import ConfigError, flatten, to_yaml
 from opd.runtime.errors import RunError, WorkerError
@@ -209,8 +209,6 @@ def _train_once(cfg: Any, resume: bool, console: Any, spawned: dict[str, Any]) -
         record = {**evaluate(ctx, "teacher"), **evaluate(ctx, "student")}
         state["teacher_success"] = record["eval/teacher_success"]
         state["student_success_before"] = record["eval/student_success"]
-        if "eval/student_valid_action_rate" in record:
-            state["student_valid_before"] = record["eval/student_valid_action_rate"]
         state["evals"].append({"step": 0, **record})
         metrics.write(0, record)
         log(f"before training: teacher success {record['eval/teacher_success']:.2f}, "
@@ -219,9 +217,7 @@ def _train_once(cfg: Any, resume: bool, console: Any, spawned: dict[str, Any]) -
             check = check_teacher(record["eval/teacher_success"], record["eval/student_success"], len(eval_tasks))
             state["teacher_check"] = check.as_dict()
             if not check.teacher_better:
-                if cfg.run.teacher_check == "error":
-                    raise RunError(f"{check.message()} (run.teacher_check: error)")
-                log(f"[bold yellow]warning:[/] {check.message()}")
+                _warn_or_stop(check.message(), "run.teacher_check", cfg.run.teacher_check, log)
 
     nonfinite_streak = 0
     progress = Progress(console, total=cfg.run.total_steps, start=state["step"])
@@ -237,15 +233,13 @@ def _train_once(cfg: Any, resume: bool, console: Any, spawned: dict[str, Any]) -
             state["train_time_s"] += step_metrics["time/step_s"]
             state["step"] = step
             nonfinite_streak = nonfinite_streak + 1 if step_metrics.get("nonfinite_loss") else 0
-            if step == 1 and algorithm.uses_teacher and cfg.run.sampling_check != "ignore" \
-                    and "student_valid_before" in state and "valid_action_rate" in step_metrics:
-                check = check_sampling(state["student_valid_before"], step_metrics["valid_action_rate"],
-                                       cfg.rollout.temperature)
+            greedy_valid = state["evals"][0].get("eval/student_valid_action_rate") if step == 1 else None
+            if greedy_valid is not None and algorithm.uses_teacher and cfg.run.sampling_check != "ignore" \
+                    and "valid_action_rate" in step_metrics:
+                check = check_sampling(greedy_valid, step_metrics["valid_action_rate"], cfg.rollout.temperature)
                 state["sampling_check"] = check.as_dict()
                 if not check.sampling_ok:
-                    if cfg.run.sampling_check == "error":
-                        raise RunError(f"{check.message()} (run.sampling_check: error)")
-                    log(f"[bold yellow]warning:[/] {check.message()}")
+                    _warn_or_stop(check.message(), "run.sampling_check", cfg.run.sampling_check, log)
             if cfg.run.eval_every_steps and step % cfg.run.eval_every_steps == 0 and step < cfg.run.total_steps:
                 record = evaluate(ctx, "student", step)
                 step_metrics.update(record)
@@ -295,6 +289,13 @@ def _train_once(cfg: Any, resume: bool, console: Any, spawned: dict[str, Any]) -
     write_report_plot(run_dir)
     render_summary(console, summary, cfg)
     return summary
+
+
+def _warn_or_stop(message: str, key: str, setting: str, log: Callable[[str], None]) -> None:
+    """A failed pre-flight check: stop the run (``key: error``) or warn on the console."""
+    if setting == "error":
+        raise RunError(f"{message} ({key}: error)")
+    log(f"[bold yellow]warning:[/] {message}")
 
 
 def _heldout_figures(evals: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
