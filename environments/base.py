@@ -40,6 +40,9 @@ class TextEnv(gymnasium.Env):
         tokenizer_words: Words the environment's actions are made of. A tokenizer trained on the
             environment's text (the CPU bootstrap in opd) seeds its corpus with them, so that each
             is learnt as a whole.
+        reward_kwargs: Keyword arguments that change the rewards only: not the tasks, the
+            observations nor the expert's actions. The CPU bootstrap keeps them out of the cache
+            key of the models it trains on the expert, so that one model serves every reward.
         max_turns: Turn budget; a step that reaches it without ending the episode truncates.
         render_mode: None or "ansi"; ``render()`` returns the current text either way.
 
@@ -69,6 +72,7 @@ class TextEnv(gymnasium.Env):
 
     metadata = {"render_modes": ["ansi"]}
     tokenizer_words: tuple[str, ...] = ()
+    reward_kwargs: frozenset[str] = frozenset()
 
     def __init__(
         self,

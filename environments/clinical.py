@@ -434,6 +434,7 @@ class ClinicalWorkupEnv(TextEnv):
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
+    reward_kwargs = frozenset({"reward", "info_gain_coef"})  # the expert and the text do not depend on them
 
     def __init__(
         self,

@@ -250,7 +250,7 @@ def build_tokenizer(env_cfg: Any, vocab_size: int, cache_root: Path, corpus_epis
     (if given) hears how far the corpus's episodes are."""
     factory = EnvFactory(env_cfg.id, dict(_plain(env_cfg.kwargs)), env_cfg.module)
     words = tuple(getattr(factory.env_class(), "tokenizer_words", ()))
-    payload = {"v": CACHE_VERSION, "env": env_cfg.id, "kwargs": _plain(env_cfg.kwargs), "vocab": vocab_size}
+    payload = {"v": CACHE_VERSION, "env": env_cfg.id, "kwargs": data_kwargs(env_cfg), "vocab": vocab_size}
     if corpus_episodes != TOKENIZER_CORPUS_EPISODES:  # the default stays out: earlier caches keep their key
         payload["corpus"] = corpus_episodes
     if words != LEGACY_TOKENIZER_WORDS:
@@ -375,6 +375,23 @@ def _actfirst_rows(steps: list[tuple[str, str, bool]], tokenizer, fmt: ChatForma
     return rows
 
 
+def data_kwargs(env_cfg: Any) -> dict:
+    """The env's kwargs that can change what the bootstrap trains on (its tasks, text and expert):
+    all but the env class's ``reward_kwargs``. They, not all kwargs, name the cached models, so
+    that runs which differ only in their reward share one teacher and one student.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> cfg = SimpleNamespace(id="opd/ClinicalWorkup-v0", module="",
+        ...                       kwargs={"setting": "refill", "reward": "outcome_info_gain"})
+        >>> data_kwargs(cfg)
+        {'setting': 'refill'}
+    """
+    kwargs = dict(_plain(env_cfg.kwargs))
+    reward_only = getattr(EnvFactory(env_cfg.id, kwargs, env_cfg.module).env_class(), "reward_kwargs", frozenset())
+    return {k: v for k, v in kwargs.items() if k not in reward_only}
+
+
 def bootstrap_key(boot: Any, env_cfg: Any, seed: int) -> str:
     """The content hash that names a bootstrapped model's cache directory."""
     # Options at their defaults stay out of the key (an unset tokenizer, the default corpus, no
@@ -389,7 +406,7 @@ def bootstrap_key(boot: Any, env_cfg: Any, seed: int) -> str:
     if boot.tokenizer:
         settings["sft_head"] = "targets"  # see sft(): the same loss, rounded otherwise
     return _digest({"v": CACHE_VERSION, "boot": settings, "env": env_cfg.id,
-                    "kwargs": _plain(env_cfg.kwargs), "split": env_cfg.train_split, "seed": seed,
+                    "kwargs": data_kwargs(env_cfg), "split": env_cfg.train_split, "seed": seed,
                     "build": build_environment()})
 
 

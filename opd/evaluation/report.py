@@ -140,7 +140,8 @@ def render_summary(console: Any, summary: dict[str, Any], cfg: Any) -> None:
 
     row(f"teacher ({_source(cfg.teacher)})", summary["teacher_success"], "teacher")
     row(f"student before ({_source(cfg.student)})", summary["student_success_before"], "student_before")
-    row(f"student after {summary['steps']} OPD steps", summary["student_success_after"], "student_after")
+    kind = "GRPO" if cfg.algorithm == "grpo" else "OPD"  # the one algorithm here that is not distillation
+    row(f"student after {summary['steps']} {kind} steps", summary["student_success_after"], "student_after")
     console.print(table)
     check = summary.get("teacher_check")
     if check and not check["teacher_better"]:

@@ -62,7 +62,7 @@ def init_distributed(rank: int = 0, world_size: int = 1, rendezvous: str | None 
     """This process as rank ``rank`` of a ``world_size``-process torch.distributed group, as
     DeepSpeed needs: gloo on CPU, NCCL on GPU.
 
-    One rank needs no rendezvous: it meets itself through a file of its own. A group meets at
+    One rank needs no rendezvous: it meets itself in an in-memory store. A group meets at
     ``rendezvous`` (:func:`rendezvous_point`): ``file://PATH`` when every rank is on one node,
     ``tcp://IP:PORT`` (rank 0's node) across nodes. A file store listens on nothing; on one node
     gloo's own connections between ranks are kept on the loopback interface too.
@@ -86,16 +86,21 @@ def init_distributed(rank: int = 0, world_size: int = 1, rendezvous: str | None 
     # DeepSpeed's ZeRO calls torch.distributed.all_gather_into_tensor / reduce_scatter_tensor,
     # which torch now warns about on every call: a wall of the same lines from every rank.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if world_size == 1:
-        rendezvous = f"file://{Path(tempfile.mkdtemp(prefix='opd-dist-')) / 'rendezvous'}"
-    elif rendezvous is None:
+        # One rank meets itself in an in-memory store: no file left behind, no port opened.
+        # DeepSpeed then wraps the group torch already has.
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        return
+    if rendezvous is None:
         raise ValueError(f"a group of {world_size} trainer ranks needs a rendezvous (file:// or tcp://)")
-    if rendezvous.startswith("file://") and world_size > 1:
+    if rendezvous.startswith("file://"):
         loopback = loopback_interface()
         if loopback:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False,
-                               init_method=rendezvous, rank=rank, world_size=world_size)
+    deepspeed.init_distributed(dist_backend=backend, verbose=False, init_method=rendezvous, rank=rank,
+                               world_size=world_size)
 
 
 def loopback_interface() -> str | None:

@@ -364,3 +364,34 @@ def test_setting_file_errors_name_the_file_and_entry(tmp_path, edit, message) ->
     path.write_text(json.dumps(broken))
     with pytest.raises(ValueError, match=f"setting file '{path}'.*{message}"):
         ClinicalWorkupEnv(setting=str(path))
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_reward_kwargs_change_the_rewards_only_so_one_bootstrap_serves_both(setting) -> None:
+    # The bootstrap keeps reward_kwargs out of its cache key: the expert's episodes must then be
+    # the same text, action for action, under either reward, with only the rewards differing.
+    from types import SimpleNamespace
+
+    from opd.provisioning import data_kwargs
+
+    def expert_episodes(**reward):
+        env, out = ClinicalWorkupEnv(setting=setting, **SMALL, **reward), []
+        for task in env.task_ids("train")[:8]:
+            obs, info = env.reset(options={"task": task})
+            texts, rewards, done = [obs], [], False
+            while not done:
+                texts.append(info["expert_action"])
+                obs, reward, terminated, truncated, info = env.step(texts[-1])
+                texts.append(obs)
+                rewards.append(reward)
+                done = terminated or truncated
+            out.append((texts, rewards))
+        return out
+
+    plain, shaped = expert_episodes(), expert_episodes(reward="outcome_info_gain", info_gain_coef=0.3)
+    assert [texts for texts, _ in plain] == [texts for texts, _ in shaped]
+    assert [rewards for _, rewards in plain] != [rewards for _, rewards in shaped]
+    assert ClinicalWorkupEnv.reward_kwargs == {"reward", "info_gain_coef"}
+    cfg = SimpleNamespace(id=ENV_ID, module="", kwargs={"setting": setting, "reward": "outcome_info_gain",
+                                                        "info_gain_coef": 0.3, "max_turns": 6})
+    assert data_kwargs(cfg) == {"setting": setting, "max_turns": 6}
