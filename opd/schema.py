@@ -58,6 +58,9 @@ class BootstrapConfig:
     tokenizer_vocab_size: int = 320  # byte-level BPE trained on the environment's text
     corpus_episodes: int = 300  # random episodes whose text trains that BPE
     tokenizer: str = ""  # "": that trained BPE; "smollm2": SmolLM2's own (offline); or a tokenizer directory
+    init: str = ""  # "": a tiny Qwen3 shaped by arch, from scratch; "smollm2": fine-tune SmolLM2-135M-Instruct
+    # (needs tokenizer: smollm2); or a model directory whose tokenizer is ``tokenizer``
+    init_layers: int = 0  # with init: keep the first N transformer blocks (0: all), a smaller model that starts pretrained
     think: Literal["", "plan"] = ""  # "": the response is the action; "plan": a <think> block (state and plan) before it
     action_only_prob: float = 0.0  # share of turns also trained in ActFirst's action-only prompts
     history: Literal["full", "state_grounded", "both"] = "full"  # what past turns show in the SFT rows: full (their whole response) |

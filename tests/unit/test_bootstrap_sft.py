@@ -8,6 +8,7 @@ import io
 import re
 from pathlib import Path
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
@@ -126,3 +127,37 @@ def test_history_both_trains_each_episode_in_both_layouts(tmp_path):
         assert any(f"on 12 expert episodes ({12 * (2 if history == 'both' else 1)} sequences)" in line
                    for line in lines), lines
     assert built["full"] != built["both"]
+
+
+def test_a_pretrained_start_is_cut_to_its_first_blocks_and_named_in_the_cache_key(tokenizer, tmp_path):
+    """``bootstrap.init`` starts the SFT from a saved model (SmolLM2 in the studies; a saved tiny
+    model here), ``init_layers`` keeps its first blocks with their weights, and both name the
+    built model's cache entry, while leaving them unset keeps the keys of models built before."""
+    from opd.models import save_model
+
+    arch = OmegaConf.structured(BootstrapConfig()).arch
+    arch.num_layers = 3
+    source = bootstrap.tiny_qwen3(tokenizer, arch, seed=7)
+    save_model(source, tokenizer, tmp_path / "base")
+
+    boot = OmegaConf.structured(BootstrapConfig(init=str(tmp_path / "base"), init_layers=2, tokenizer=str(tmp_path / "base")))
+    model = bootstrap.initial_model(boot, tokenizer, seed=0)
+    assert len(model.model.layers) == model.config.num_hidden_layers == 2
+    kept, original = model.state_dict(), source.state_dict()
+    assert set(kept) == {k for k in original if not k.startswith("model.layers.2.")}
+    assert all(torch.equal(kept[k], original[k]) for k in kept)  # the pretrained weights, not a fresh init
+    ids = torch.tensor([tokenizer.encode("left down")])
+    assert model(ids).logits.shape == source(ids).logits.shape  # a working model, one block short
+
+    boot.init_layers = 5
+    with pytest.raises(ValueError, match=r"'bootstrap.init_layers' is 5; .* has 3 transformer blocks"):
+        bootstrap.initial_model(boot, tokenizer, seed=0)
+
+    env = OmegaConf.structured(EnvConfig(id="opd/FrozenLakeText-v0"))
+    plain = OmegaConf.structured(BootstrapConfig())
+    keys = {bootstrap.bootstrap_key(b, env, 0) for b in (plain, OmegaConf.structured(BootstrapConfig(init="")),
+                                                         OmegaConf.structured(BootstrapConfig(init_layers=0)))}
+    assert len(keys) == 1  # unset options leave the key as it was
+    pretrained = [OmegaConf.structured(BootstrapConfig(init=str(tmp_path / "base"), tokenizer="t", init_layers=n))
+                  for n in (0, 2)]
+    assert len({bootstrap.bootstrap_key(b, env, 0) for b in pretrained} | keys) == 3
