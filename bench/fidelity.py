@@ -13,7 +13,8 @@ seed of an environment trains the same teacher and starting student and a seed c
 tasks and the sampling only. Writes under ``--out`` (default ``runs/fidelity/<study>``):
 ``results.json`` (one record per run), ``results.md`` (the table, with the CPU time the study
 took) and ``results.png`` (held-out figure per arm, one dot per seed). A finished run is reused
-(delete its directory to rerun it), so an interrupted study resumes where it stopped.
+(delete its directory to rerun it), so an interrupted study resumes where it stopped; one that
+finished with fewer steps than its recipe now asks goes on from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from opd.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES_DIR = ROOT / "recipes" / "studies"
@@ -57,9 +60,12 @@ class Study:
 
 # The view study needs a student that reasons before it acts (its reasoning is what the full view
 # shows the teacher), and one teacher trained in both history layouts, so that each view is in
-# its training distribution.
-TWX_REASONING = ("teacher.bootstrap.think=plan", "teacher.bootstrap.history=both", "student.bootstrap.think=plan",
-                 "rollout.max_new_tokens=64")
+# its training distribution. Its text environment is the clinical simulator: a work-up goes on
+# after a misread finding, so the full view shows the teacher the student's wrong copies of past
+# findings beside the findings themselves (in Simon says a wrong move ends the game, so past turns
+# are always right and the two views carry the same information).
+CLINICAL_REASONING = ("teacher.bootstrap.think=plan", "teacher.bootstrap.history=both", "student.bootstrap.think=plan",
+                      "rollout.max_new_tokens=48")
 
 STUDIES: dict[str, Study] = {s.name: s for s in (
     Study(
@@ -79,8 +85,8 @@ STUDIES: dict[str, Study] = {s.name: s for s in (
         arms=(
             Arm("state_grounded", "frozenlake_view.yaml", ("supervision.teacher_view=state_grounded",), "FrozenLake"),
             Arm("full", "frozenlake_view.yaml", ("supervision.teacher_view=full",), "FrozenLake"),
-            *(Arm(view, "twx_simonsays_opd.yaml", (f"supervision.teacher_view={view}", *TWX_REASONING),
-                  "TextWorldExpress simonsays") for view in ("state_grounded", "full")),
+            *(Arm(view, "clinical_opd.yaml", (f"supervision.teacher_view={view}", *CLINICAL_REASONING),
+                  "clinical diagnostic") for view in ("state_grounded", "full")),
         ),
         figures=("return",),
     ),
@@ -134,18 +140,28 @@ def run_arm(study: Study, arm: Arm, seed: int, out: Path, steps: int | None, ext
     """Train one arm at one seed (or reuse a finished run) and read its figures."""
     run_dir = run_dir_of(out, arm, seed)
     cost = run_dir.with_name(run_dir.name + ".cost.json")
-    if not (run_dir / "summary.json").is_file():
-        cmd = [str(ROOT / ".venv" / "bin" / "opd"), "train", str(STUDIES_DIR / arm.recipe), f"run.output_dir={run_dir}",
-               f"run.seed={seed}", *arm.overrides, *([f"run.total_steps={steps}"] if steps else []), *extra]
-        print(f"[{time.strftime('%H:%M:%S')}] {arm.group} / {arm.label}, seed {seed}", flush=True)
+    overrides = [f"run.output_dir={run_dir}", f"run.seed={seed}", *arm.overrides,
+                 *([f"run.total_steps={steps}"] if steps else []), *extra]
+    summary = run_dir / "summary.json"
+    done_steps = json.loads(summary.read_text())["steps"] if summary.is_file() else None
+    wanted = load_config(STUDIES_DIR / arm.recipe, overrides).run.total_steps
+    if done_steps is None or done_steps < wanted:
+        # A run that finished with fewer steps than asked now (a recipe's total_steps raised) goes on
+        # from its last checkpoint (opd train --resume: the run an uninterrupted one would have been).
+        resume = done_steps is not None
+        cmd = [str(ROOT / ".venv" / "bin" / "opd"), "train", str(STUDIES_DIR / arm.recipe), *overrides,
+               *(["--resume"] if resume else [])]
+        print(f"[{time.strftime('%H:%M:%S')}] {arm.group} / {arm.label}, seed {seed}"
+              + (f" (from step {done_steps} to {wanted})" if resume else ""), flush=True)
         start, cpu = time.perf_counter(), machine_cpu_s()
         log = out / f"{run_dir.name}.log"
-        with log.open("w") as f:
+        with log.open("a" if resume else "w") as f:
             done = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         if done.returncode != 0:
             sys.exit(f"{arm.group} / {arm.label}, seed {seed} failed (exit {done.returncode}); see {log}")
         wall, cpu = time.perf_counter() - start, machine_cpu_s() - cpu
-        cost.write_text(json.dumps({"wall_s": wall, "cpu_s": cpu}))
+        before = json.loads(cost.read_text()) if resume and cost.is_file() else {"wall_s": 0.0, "cpu_s": 0.0}
+        cost.write_text(json.dumps({"wall_s": before["wall_s"] + wall, "cpu_s": before["cpu_s"] + cpu}))
         print(f"    done in {wall:.0f}s ({cpu / 60:.1f} CPU min)", flush=True)
     if study.grid:
         grid_of(run_dir, out)

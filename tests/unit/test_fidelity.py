@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -99,12 +100,41 @@ def test_a_finished_run_is_read_not_rerun(tmp_path):
     arm = study.arms[0]
     run_dir = fidelity.run_dir_of(tmp_path, arm, 3)
     run_dir.mkdir(parents=True)
+    steps = load_config(fidelity.STUDIES_DIR / arm.recipe).run.total_steps
     (run_dir / "summary.json").write_text(json.dumps({
         "teacher_success": 0.9, "student_success_before": 0.1, "student_success_after": 0.6, "train_time_s": 12.0,
-        "steps": 5, "heldout": {"teacher": {"return": 0.8}}}))
+        "steps": steps, "heldout": {"teacher": {"return": 0.8}}}))
     record = fidelity.run_arm(study, arm, 3, tmp_path, None, [])  # would fail if it ran opd (no such tmp recipe output)
     assert (record["teacher"], record["before"], record["after"], record["heldout"]["teacher"]["return"]) == (0.9, 0.1, 0.6, 0.8)
     assert math.isnan(record["cpu_s"])  # no cost file: the run's cost is unknown, not zero
+
+
+def test_a_run_shorter_than_its_recipe_now_asks_goes_on_from_its_checkpoint(tmp_path, monkeypatch):
+    """A recipe's total_steps raised after a study ran: the finished run is resumed (opd train
+    --resume, the same run directory), not started again, and the study's cost adds the two parts."""
+    study = fidelity.STUDIES["teachers"]
+    arm = study.arms[0]
+    run_dir = fidelity.run_dir_of(tmp_path, arm, 0)
+    run_dir.mkdir(parents=True)
+    summary = {"teacher_success": 0.9, "student_success_before": 0.0, "student_success_after": 0.1, "train_time_s": 1.0,
+               "steps": 20, "heldout": {}}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    run_dir.with_name(run_dir.name + ".cost.json").write_text(json.dumps({"wall_s": 100.0, "cpu_s": 150.0}))
+    calls = []
+
+    def opd_train(cmd, **kwargs):  # stands in for the opd process: it would train for minutes
+        calls.append(cmd)
+        (run_dir / "summary.json").write_text(json.dumps({**summary, "steps": 30, "student_success_after": 0.7}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(fidelity.subprocess, "run", opd_train)
+    record = fidelity.run_arm(study, arm, 0, tmp_path, 30, [])
+    assert len(calls) == 1 and calls[0][-1] == "--resume" and f"run.output_dir={run_dir}" in calls[0]
+    assert "run.total_steps=30" in calls[0]
+    assert record["after"] == 0.7 and record["steps"] == 30
+    assert record["wall_s"] > 100.0 and record["cpu_s"] >= 150.0  # the first part's cost and the resumed part's
+    fidelity.run_arm(study, arm, 0, tmp_path, 30, [])
+    assert len(calls) == 1  # now as long as asked: read, not run
 
 
 def test_machine_cpu_time_grows_with_work():
