@@ -1,6 +1,7 @@
 """The source papers' effects at CPU scale, each beside its baseline: one command per table.
 
     .venv/bin/python bench/fidelity.py --study teachers            # OPD lifts a weaker student, 4 environments
+    .venv/bin/python bench/fidelity.py --study loss                # forward KL (top k) vs sampled reverse KL
     .venv/bin/python bench/fidelity.py --study view                # state-grounded vs full-context teacher
     .venv/bin/python bench/fidelity.py --study clinical_reward     # GRPO, outcome vs outcome + info gain
     .venv/bin/python bench/fidelity.py --study multiturn_rl        # GRPO vs its base: pass@k x budget, matched states
@@ -67,6 +68,11 @@ class Study:
 CLINICAL_REASONING = ("teacher.bootstrap.think=plan", "teacher.bootstrap.history=both", "student.bootstrap.think=plan",
                       "rollout.max_new_tokens=48")
 
+# The quickstart's loss, in place of a study recipe's forward KL: sampled reverse KL as a per-token
+# advantage with PPO's clip, the teacher's logprob of each student token, the quickstart's step.
+REVERSE_KL = ("supervision.scoring=sampled", "losses=[{name: reverse_kl, args: {clip_ratio: 0.2}}]",
+              "trainer.learning_rate=0.0005")
+
 STUDIES: dict[str, Study] = {s.name: s for s in (
     Study(
         name="teachers",
@@ -78,6 +84,18 @@ STUDIES: dict[str, Study] = {s.name: s for s in (
             Arm("OPD", "alfworld_opd.yaml", group="ALFWorld (generated, admissible commands shown)"),
         ),
         figures=("return",),
+    ),
+    Study(
+        name="loss",
+        claim="at this scale the loss decides whether OPD teaches these students: forward KL over the teacher's top k "
+              "against sampled reverse KL, the same steps",
+        arms=tuple(
+            Arm(label, recipe, overrides, group)
+            for recipe, group in (("clinical_opd.yaml", "clinical diagnostic"), ("twx_simonsays_opd.yaml", "TextWorldExpress simonsays"))
+            for label, overrides in (("forward KL, top 16", ()), ("reverse KL, sampled", REVERSE_KL))
+        ),
+        figures=("return",),
+        seeds=(0,),
     ),
     Study(
         name="view",

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+from omegaconf import OmegaConf
 
 from opd.config import load_config
 
@@ -32,7 +34,15 @@ def test_every_arm_binds(study, arm):
         node = cfg
         for part in key.split("."):
             node = node[part] if isinstance(node, dict) else getattr(node, part)
-        assert str(node) == value
+        if value.startswith("["):  # a list of sections (losses): each given key holds its given value
+            given = yaml.safe_load(value)
+            assert len(node) == len(given)
+            for section, entries in zip(node, given):
+                assert {k: OmegaConf.to_container(section)[k] for k in entries} == entries
+        elif isinstance(node, float):
+            assert node == float(value)
+        else:
+            assert str(node) == value
 
 
 def test_arms_of_a_group_differ_only_in_their_overrides():
