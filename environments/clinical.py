@@ -568,6 +568,9 @@ class ClinicalWorkupEnv(TextEnv):
             "questions_asked": self._questions,
             "premature_commitment": bool(premature),
             "risk_level": s.risks[condition],
+            # The value again on high-risk cases only (None otherwise): its mean over the episodes
+            # that report it is the high-risk performance the clinical study tables.
+            "high_risk_value": outcome - self._costs if s.risks[condition] == "high" else None,
             "condition": s.conditions[condition],
             "decision": None if decision is None else s.decisions[decision],
             "optimal_decision": s.decisions[int(s.optimal_H[condition])],

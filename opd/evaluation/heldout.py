@@ -17,8 +17,9 @@ from opd.trajectory import Trajectory, success_rate
 
 # What an environment reports at an episode's end besides success, averaged over the held-out
 # episodes that report it: ScienceWorld's and TextWorld's score, the clinical simulator's value,
-# questions asked and premature commitments (a share).
-ENV_FIGURES = ("score", "value", "questions_asked", "premature_commitment")
+# questions asked, premature commitments (a share) and value on its high-risk cases (reported by
+# those episodes only).
+ENV_FIGURES = ("score", "value", "questions_asked", "premature_commitment", "high_risk_value")
 
 
 def evaluate(ctx: RunContext, who: Role, step: int = 0) -> dict[str, float]:

@@ -25,7 +25,7 @@ from opd.rollout.env_pool import EnvFailure, InProcessEnvs
 from opd.trajectory import Trajectory, Turn
 
 INFO_KEYS = ("success", "valid_action", "expert_action", "turn", "score", "value", "questions_asked",
-             "premature_commitment")
+             "premature_commitment", "high_risk_value")
 
 
 @dataclass(frozen=True)

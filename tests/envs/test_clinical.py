@@ -269,6 +269,9 @@ def test_expert_beats_commit_immediately_on_eval_split(setting) -> None:
     assert all(i["decision"] is not None for i in results["expert"])  # never runs out of turns
     high = [i for i in results["expert"] if i["risk_level"] == "high"]
     assert len(high) >= 20 and np.mean([i["success"] for i in high]) >= 0.65
+    # high_risk_value: the value on exactly those cases, absent (None) on the others
+    assert all(i["high_risk_value"] == i["value"] for i in high)
+    assert all(i["high_risk_value"] is None for i in results["expert"] if i["risk_level"] != "high")
 
 
 def test_expert_trajectory_pinned() -> None:
