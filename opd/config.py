@@ -438,7 +438,7 @@ def _validate_model(model: Any, role: str, source: str) -> None:
             if init != "smollm2" and not (Path(os.path.expanduser(init)) / "config.json").is_file():
                 raise ConfigError(f"{source}: key '{role}.bootstrap.init' is {init!r}; expected \"\" (a tiny model from "
                                   "scratch), \"smollm2\" or a model directory holding config.json.")
-        if model.bootstrap.init_layers < 0 or (model.bootstrap.init_layers and not init):
+        if model.bootstrap.init_layers and not init:
             raise ConfigError(f"{source}: key '{role}.bootstrap.init_layers' is {model.bootstrap.init_layers}; it cuts "
                               f"the '{role}.bootstrap.init' model to its first N blocks: set init, or leave it at 0.")
         return
