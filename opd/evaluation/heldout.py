@@ -113,13 +113,19 @@ class SamplingCheck:
     def as_dict(self) -> dict:
         return asdict(self)
 
-    def message(self) -> str:
-        """What is wrong and what to do (for samples much less valid than greedy play)."""
+    def message(self, graded_by_teacher: bool = True) -> str:
+        """What is wrong and what to do (for samples much less valid than greedy play), for an
+        algorithm whose teacher grades the samples or, ``graded_by_teacher=False``, one whose
+        reward does (GRPO)."""
+        why = ("OPD trains on the samples, and the teacher grades their broken text outside anything it was "
+               "trained on: the student can get worse while the KL to the teacher falls (docs/results.md, the view "
+               "study)." if graded_by_teacher else
+               "RL trains on the samples, and their rewards are then mostly the price of invalid turns: the policy "
+               "that acts least can win, whatever the task (docs/results.md, the clinical reward study: every "
+               "student learnt to commit at once).")
         return (f"the student's sampled responses (rollout.temperature {self.temperature:g}) made a valid action "
                 f"in {100 * self.sampled_valid:.1f}% of the first step's turns, against {100 * self.greedy_valid:.1f}% "
-                "greedily before training. OPD trains on the samples, and the teacher grades their broken text "
-                "outside anything it was trained on: the student can get worse while the KL to the teacher falls "
-                "(docs/results.md, the view study). Bootstrap the student longer (student.bootstrap.sft_steps), "
+                f"greedily before training. {why} Bootstrap the student longer (student.bootstrap.sft_steps), "
                 "shorten its reasoning, or lower rollout.temperature. run.sampling_check: error stops a run here; "
                 "ignore silences it.")
 

@@ -234,12 +234,11 @@ def _train_once(cfg: Any, resume: bool, console: Any, spawned: dict[str, Any]) -
             state["step"] = step
             nonfinite_streak = nonfinite_streak + 1 if step_metrics.get("nonfinite_loss") else 0
             greedy_valid = state["evals"][0].get("eval/student_valid_action_rate") if step == 1 else None
-            if greedy_valid is not None and algorithm.uses_teacher and cfg.run.sampling_check != "ignore" \
-                    and "valid_action_rate" in step_metrics:
+            if greedy_valid is not None and cfg.run.sampling_check != "ignore" and "valid_action_rate" in step_metrics:
                 check = check_sampling(greedy_valid, step_metrics["valid_action_rate"], cfg.rollout.temperature)
                 state["sampling_check"] = check.as_dict()
                 if not check.sampling_ok:
-                    _warn_or_stop(check.message(), "run.sampling_check", cfg.run.sampling_check, log)
+                    _warn_or_stop(check.message(algorithm.uses_teacher), "run.sampling_check", cfg.run.sampling_check, log)
             if cfg.run.eval_every_steps and step % cfg.run.eval_every_steps == 0 and step < cfg.run.total_steps:
                 record = evaluate(ctx, "student", step)
                 step_metrics.update(record)

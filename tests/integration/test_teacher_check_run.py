@@ -1,7 +1,8 @@
 """A teacher no better than its student is flagged at step 0: a warning on the console and
 ``teacher_check`` in ``summary.json`` (with the environment's held-out figures beside success),
 or, with ``run.teacher_check: error``, a stopped run naming the figures and what to do. Samples
-far less valid than greedy play are flagged at step 1 the same way (``run.sampling_check``).
+far less valid than greedy play are flagged at step 1 the same way (``run.sampling_check``), under
+OPD and GRPO alike.
 
 The tiny recipe's teacher and student both score 0% on its held-out tasks, so its teacher is not
 better; its 5-step student makes valid moves in 75% of its greedy turns but in none of its
@@ -75,3 +76,16 @@ def test_samples_far_less_valid_than_greedy_play_are_flagged_or_stop_the_run(tmp
     assert main(_args(tmp_path, "off", "run.teacher_check=ignore", "run.sampling_check=ignore")) == 0
     assert "sampled responses" not in _said(capsys)
     assert "sampling_check" not in json.loads((tmp_path / "off" / "summary.json").read_text())
+
+
+def test_grpo_samples_far_less_valid_than_greedy_play_are_flagged_with_what_rl_does_with_them(tmp_path, capsys):
+    """GRPO has no teacher to grade the samples, but their rewards are then mostly the price of
+    invalid turns (the clinical reward study's students all learnt to commit at once)."""
+    from opd.cli import main
+
+    assert main(_args(tmp_path, "grpo", "run.teacher_check=ignore", "algorithm=grpo", "losses=[{name: ppo_clip}]",
+                "rollout.group_size=4")) == 0
+    out = _said(capsys)
+    assert "made a valid action in 0.0% of the first step's turns, against 75.0% greedily" in out
+    assert "RL trains on the samples" in out and "the teacher grades" not in out
+    assert json.loads((tmp_path / "grpo" / "summary.json").read_text())["sampling_check"]["sampling_ok"] is False

@@ -61,6 +61,8 @@ def test_samples_far_less_valid_than_greedy_play_are_flagged(greedy, sampled, ok
         assert f"in {100 * sampled:.1f}% of the first step's turns, against {100 * greedy:.1f}%" in message
         assert "student.bootstrap.sft_steps" in message and "rollout.temperature" in message
         assert "run.sampling_check" in message
+        assert "the teacher grades" in message and "the teacher grades" not in check.message(graded_by_teacher=False)
+        assert "RL trains on the samples" in check.message(graded_by_teacher=False)
 
 
 def test_valid_action_rate_counts_only_turns_whose_environment_says():
