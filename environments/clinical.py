@@ -563,14 +563,15 @@ class ClinicalWorkupEnv(TextEnv):
         unasked = [f for f in s.findings if f.kind != "presentation" and f.name not in self._evidence]
         premature = decision is not None and confidence < self.premature_threshold - _EPS \
             and any(could_change_decision(s, belief_H, f) for f in unasked)
+        value = outcome - self._costs
         return {
-            "value": outcome - self._costs,
+            "value": value,
             "questions_asked": self._questions,
             "premature_commitment": bool(premature),
             "risk_level": s.risks[condition],
             # The value again on high-risk cases only (None otherwise): its mean over the episodes
             # that report it is the high-risk performance the clinical study tables.
-            "high_risk_value": outcome - self._costs if s.risks[condition] == "high" else None,
+            "high_risk_value": value if s.risks[condition] == "high" else None,
             "condition": s.conditions[condition],
             "decision": None if decision is None else s.decisions[decision],
             "optimal_decision": s.decisions[int(s.optimal_H[condition])],
