@@ -61,11 +61,17 @@ class Study:
 
 # The view study needs a student that reasons before it acts (its reasoning is what the full view
 # shows the teacher), and one teacher trained in both history layouts, so that each view is in
-# its training distribution. Its only environment is FrozenLake for now: on the clinical simulator
-# (a work-up goes on after a misread finding, so the full view would show the teacher the
-# student's wrong copies of past findings) the plan's state line is the observation's last one,
-# which at reset is the instruction line, and 48 new tokens cut it before the action: the
-# reasoning teacher made a valid action in 19% of its turns (docs/results.md).
+# its training distribution. Its text environment is the clinical simulator: a work-up goes on
+# after a misread finding, so the full view shows the teacher the student's wrong copies of past
+# findings beside the findings themselves (in Simon says a wrong move ends the game, so past turns
+# are always right and the two views carry the same information). The plan's state line is the
+# env's (ClinicalWorkupEnv.state_line: the finding, not the reset's instruction line, which the
+# first attempt copied); with the study's 500-token BPE a plan and its action take 50 tokens on
+# average and 78 at most, so 96 new tokens. 100 OPD steps, not the recipe's 200: the teachers
+# study's students made most of their gain by step 100 (50% -> 69-77%), and a reasoning step
+# costs several plain ones.
+CLINICAL_REASONING = ("teacher.bootstrap.think=plan", "teacher.bootstrap.history=both", "student.bootstrap.think=plan",
+                      "rollout.max_new_tokens=96", "run.total_steps=100")
 
 # The quickstart's loss, in place of a study recipe's forward KL: sampled reverse KL as a per-token
 # advantage with PPO's clip, the teacher's logprob of each student token, the quickstart's step.
@@ -102,6 +108,8 @@ STUDIES: dict[str, Study] = {s.name: s for s in (
         arms=(
             Arm("state_grounded", "frozenlake_view.yaml", ("supervision.teacher_view=state_grounded",), "FrozenLake"),
             Arm("full", "frozenlake_view.yaml", ("supervision.teacher_view=full",), "FrozenLake"),
+            *(Arm(view, "clinical_opd.yaml", (f"supervision.teacher_view={view}", *CLINICAL_REASONING),
+                  "clinical diagnostic") for view in ("state_grounded", "full")),
         ),
         figures=("return",),
     ),

@@ -162,3 +162,16 @@ class TextEnv(gymnasium.Env):
     def _state_info(self) -> dict[str, Any]:
         """Info keys of this env about the current state, e.g. ``admissible_actions``, ``expert_action``."""
         return {}
+
+    @staticmethod
+    def state_line(observation: str) -> str:
+        """One line saying what ``observation`` tells about the state: the ``State:`` of a reasoning
+        target (``think: plan`` in the CPU bootstrap, :func:`opd.provisioning.plan_text`).
+
+        The default is the observation's last non-empty line, which suits an env that ends each
+        observation with the state (FrozenLake's ``Around you: ...``). An env whose last line is
+        instructions or bookkeeping overrides it: a model trained on that would copy boilerplate.
+        A pure function of the text, so that a recipe's cached model depends on nothing else.
+        """
+        lines = [line.strip() for line in observation.strip().splitlines() if line.strip()]
+        return lines[-1] if lines else ""

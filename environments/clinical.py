@@ -72,6 +72,9 @@ EXPERT_LOOKAHEAD = 2  # questions the expert plans ahead; 3 would cost ~40x more
 _NAME_RE = re.compile(r"[a-z][a-z0-9_]*")
 _TASK_RE = re.compile(r"clin-([a-z][a-z0-9_]*)-(train|eval)-(\d+)")
 _EPS = 1e-9  # value/probability ties closer than this count as equal
+_INTRO_START = "Clinical work-up:"  # the reset observation's first words
+_BUDGET_USED = " The turn budget is used up without a decision."
+_TURNS_LEFT_RE = re.compile(r" Turns left: \d+\.$")
 
 
 # ----- the model -----
@@ -393,7 +396,7 @@ def intro_text(setting: ClinicalSetting, patient: Patient, max_turns: int) -> st
             menus.append(f"{title}: " + ", ".join(f"{f.action} (cost {f.cost:g})" for f in items) + ".")
     example = next(f for f in setting.findings if f.kind != "presentation")
     return "\n".join([
-        f"Clinical work-up: {setting.title}. {setting.intro}", " ".join(shown),
+        f"{_INTRO_START} {setting.title}. {setting.intro}", " ".join(shown),
         f"Possible conditions: {conditions}.", *menus, f"Decisions: {decisions}.",
         f"Each question or test costs its price; the right decision scores up to {setting.utility_DH.max():g} and "
         f"unsafe decisions lose up to {-setting.utility_DH.min():g}.",
@@ -544,7 +547,7 @@ class ClinicalWorkupEnv(TextEnv):
             obs = ("(asked before) " if repeated else "") + finding_text(finding, patient.answers[f], patient.values[f])
         if self._truncates(terminated):
             reward += self.timeout_value
-            obs += " The turn budget is used up without a decision."
+            obs += _BUDGET_USED
         elif not terminated:
             obs += f" Turns left: {self.max_turns - self._turn}."
         truncated = self._end_turn(obs, terminated=terminated)
@@ -554,6 +557,24 @@ class ClinicalWorkupEnv(TextEnv):
         if self._done:
             info.update(self._metrics(decision))
         return obs, reward, terminated, truncated, info
+
+    @staticmethod
+    def state_line(observation: str) -> str:
+        """The finding an observation brings (the presentation's at a reset), without the turn count.
+
+        The reset's last line is the answer format and a step's ends in "Turns left: N.", so
+        :meth:`TextEnv.state_line`'s last line would teach a reasoning model to copy those.
+
+        Example:
+            >>> ClinicalWorkupEnv.state_line("Troponin: 6 ng/L (normal). Turns left: 10.")
+            'Troponin: 6 ng/L (normal).'
+        """
+        text = observation.strip()
+        if text.startswith(_INTRO_START):
+            lines = text.splitlines()
+            return lines[1].strip() if len(lines) > 1 else ""
+        text = _TURNS_LEFT_RE.sub("", text).removesuffix(_BUDGET_USED).strip()
+        return text.split(" Reply with", 1)[0] if text.startswith("Invalid action") else text
 
     def _metrics(self, decision: int | None) -> dict[str, Any]:
         s, condition = self.setting, self._patient.condition

@@ -18,7 +18,8 @@ under ``bootstrap.cache_dir/<hash>/`` and are reused by every later run with the
 For ActFirst (``docs/actfirst.md``) three options shape the SFT rows:
 
 - ``think: plan`` puts a ``<think> ... </think>`` block before each action: a state summary (the
-  observation's last line) and a plan naming the move (:func:`plan_text`), so a full response
+  environment's ``state_line``, by default the observation's last line) and a plan naming the
+  move (:func:`plan_text`), so a full response
   is many times longer than its action, as a reasoning model's is.
 - ``action_only_prob: p`` also trains a share ``p`` of the turns in ActFirst's layouts, each as
   its own row whose context holds the executed actions and observations only: the two
@@ -59,6 +60,7 @@ from typing import Any, Callable, Iterator
 import torch
 from omegaconf import OmegaConf
 
+from environments.base import TextEnv
 from opd.chat import ChatFormat, action_only_prompt_ids, standard_prompt_ids, student_sequence
 from opd.envs import EnvFactory
 from opd.losses import sft as sft_loss
@@ -68,6 +70,8 @@ from opd.supervision.pivot import hint_text
 from opd.supervision.teacher_view import packed_row
 from opd.training.trainer import lr_multiplier, student_logprobs_at, token_logprobs
 from opd.trajectory import TokenBatch, Trajectory, Turn
+
+StateOf = Callable[[str], str]  # an observation's state line (TextEnv.state_line)
 
 TOKENIZER_CORPUS_EPISODES = 300
 CACHE_VERSION = 2  # bump when the recipe of a bootstrapped model, or its environment's text, changes
@@ -289,20 +293,26 @@ def resolve_tokenizer(boot: Any, env_cfg: Any, cache_root: Path, log: Callable[[
     return load_tokenizer(boot.tokenizer)
 
 
-def plan_text(observation: str, action: str) -> str:
-    """The reasoning of a ``think: plan`` target: the state (the observation's last line, e.g.
-    FrozenLake's ``Around you: ...``) and a plan naming the move.
+def plan_text(observation: str, action: str, state_of: StateOf = TextEnv.state_line) -> str:
+    """The reasoning of a ``think: plan`` target: the state (``state_of(observation)``, the env's
+    :meth:`~environments.base.TextEnv.state_line`; by default the last line, e.g. FrozenLake's
+    ``Around you: ...``) and a plan naming the move.
 
     Example:
         >>> plan_text("A F\\nAround you: left wall, down F.", "down")
         'State: Around you: left wall, down F. Plan: down.'
     """
-    lines = [line.strip() for line in observation.strip().splitlines() if line.strip()]
-    state = lines[-1] if lines else ""
-    return f"State: {state} Plan: {action}."
+    return f"State: {state_of(observation)} Plan: {action}."
 
 
-def _response_ids(obs: str, action: str, tokenizer, fmt: ChatFormat, think: str) -> tuple[list[int], int]:
+def env_state_of(env_cfg: Any) -> StateOf:
+    """The ``state_line`` of the env ``env_cfg`` names (:meth:`TextEnv.state_line` for a non-TextEnv)."""
+    env_class = EnvFactory(env_cfg.id, dict(_plain(env_cfg.kwargs)), env_cfg.module).env_class()
+    return getattr(env_class, "state_line", TextEnv.state_line)
+
+
+def _response_ids(obs: str, action: str, tokenizer, fmt: ChatFormat, think: str,
+                  state_of: StateOf = TextEnv.state_line) -> tuple[list[int], int]:
     """The SFT target of one turn and where its action starts (after ``</think>`` with a plan)."""
     action_ids = tokenizer.encode(action, add_special_tokens=False) + [fmt.im_end_id]
     if not think:
@@ -311,12 +321,12 @@ def _response_ids(obs: str, action: str, tokenizer, fmt: ChatFormat, think: str)
     if think_start is None or fmt.think_end_id is None:
         raise ValueError("key 'bootstrap.think' is 'plan' but the tokenizer has no <think> / </think> tokens; "
                          "use the trained tokenizer (bootstrap.tokenizer: \"\") or one that has them.")
-    block = [think_start, *tokenizer.encode(" " + plan_text(obs, action) + " ", add_special_tokens=False), fmt.think_end_id]
+    block = [think_start, *tokenizer.encode(" " + plan_text(obs, action, state_of) + " ", add_special_tokens=False), fmt.think_end_id]
     return block + action_ids, len(block)
 
 
 def _sft_row(steps: list[tuple[str, str, bool]], task: str, tokenizer, fmt: ChatFormat, think: str = "",
-             history: str = "full") -> dict[str, list]:
+             history: str = "full", state_of: StateOf = TextEnv.state_line) -> dict[str, list]:
     """One SFT sequence; turns not to be trained on (exploration) get no loss.
 
     With ``history: state_grounded`` the row is packed as a state-grounded teacher scores an
@@ -326,7 +336,7 @@ def _sft_row(steps: list[tuple[str, str, bool]], task: str, tokenizer, fmt: Chat
     traj = Trajectory(task=task)
     for k, (obs, action, _) in enumerate(steps[:-1]):
         prompt = standard_prompt_ids(fmt, tokenizer, obs, first=k == 0)
-        response, start = _response_ids(obs, action, tokenizer, fmt, think)
+        response, start = _response_ids(obs, action, tokenizer, fmt, think, state_of)
         traj.turns.append(Turn(prompt_ids=prompt, response_ids=response, response_logprobs=[0.0] * len(response),
                                action_start=start, action_end=len(response) - 1, action_text=action))
     if history == "state_grounded":
@@ -341,7 +351,7 @@ def _sft_row(steps: list[tuple[str, str, bool]], task: str, tokenizer, fmt: Chat
 
 
 def _actfirst_rows(steps: list[tuple[str, str, bool]], tokenizer, fmt: ChatFormat, prob: float, think: str,
-                   rng: random.Random) -> list[dict[str, list]]:
+                   rng: random.Random, state_of: StateOf = TextEnv.state_line) -> list[dict[str, list]]:
     """Rows in ActFirst's layouts for a share ``prob`` of the turns of one episode.
 
     The context of turn k is state-grounded (``prompt_0 a_0 close ... ``: executed actions and
@@ -365,7 +375,7 @@ def _actfirst_rows(steps: list[tuple[str, str, bool]], tokenizer, fmt: ChatForma
         if rng.random() < prob:
             layout = rng.choice(formats) if train_on else "reference"
             if layout == "standard":
-                prompt, target = history + standard, _response_ids(obs, action, tokenizer, fmt, think)[0]
+                prompt, target = history + standard, _response_ids(obs, action, tokenizer, fmt, think, state_of)[0]
             else:
                 reference_next = steps[k + 1][0] if layout == "reference" else None
                 prompt = history + action_only_prompt_ids(fmt, tokenizer, obs, reference_next)
@@ -409,6 +419,8 @@ def bootstrap_key(boot: Any, env_cfg: Any, seed: int) -> str:
         settings["actfirst_layouts"] = 2  # the standard prompt joined the layouts: new targets, new key
     if boot.tokenizer:
         settings["sft_head"] = "targets"  # see sft(): the same loss, rounded otherwise
+    if boot.think and env_state_of(env_cfg) is not TextEnv.state_line:
+        settings["state_line"] = 1  # the env's own state line (not the last one): new targets, new key
     return _digest({"v": CACHE_VERSION, "boot": settings, "env": env_cfg.id,
                     "kwargs": data_kwargs(env_cfg), "split": env_cfg.train_split, "seed": seed,
                     "build": build_environment()})
@@ -449,6 +461,7 @@ def _build(boot: Any, env_cfg: Any, seed: int, log: Callable[[str], None], cache
     tasks = env.unwrapped.task_ids(env_cfg.train_split)
     rng = random.Random(seed)
     choose = _policy(boot.policy, rng)
+    state_of = env_state_of(env_cfg)
     rows = []
     action_only_rng = random.Random(f"{seed}:action_only")  # its own stream: the episodes stay as before
     with StageProgress(log, f"{boot.policy} episode", boot.n_episodes) as progress:
@@ -456,11 +469,13 @@ def _build(boot: Any, env_cfg: Any, seed: int, log: Callable[[str], None], cache
             task = tasks[i % len(tasks)]
             steps = scripted_episode(env, task, choose, seed=i, explore_prob=boot.explore_prob, rng=rng)
             for layout in ("full", "state_grounded") if boot.history == "both" else (boot.history,):
-                rows.append(_sft_row(steps, task, tokenizer, fmt, boot.think, layout))
+                rows.append(_sft_row(steps, task, tokenizer, fmt, boot.think, layout, state_of))
             if boot.action_only_prob > 0:
-                rows += _actfirst_rows(steps, tokenizer, fmt, boot.action_only_prob, boot.think, action_only_rng)
+                rows += _actfirst_rows(steps, tokenizer, fmt, boot.action_only_prob, boot.think, action_only_rng,
+                                       state_of)
             if boot.hint_prob > 0:
-                rows += hint_rows(steps, tokenizer, fmt, boot.hint_prob, random.Random(f"{seed}:hint:{i}"), boot.think)
+                rows += hint_rows(steps, tokenizer, fmt, boot.hint_prob, random.Random(f"{seed}:hint:{i}"), boot.think,
+                                  state_of)
             progress.advance(i + 1)
         env.close()
         progress.finish(f"{len(rows)} SFT sequences")
@@ -536,7 +551,7 @@ def sft(model, rows: list[dict], pad_id: int, boot: Any, seed: int, log: Callabl
 
 
 def hint_rows(steps: list[tuple[str, str, bool]], tokenizer, fmt: ChatFormat, prob: float, rng: random.Random,
-              think: str = "") -> list[dict[str, list]]:
+              think: str = "", state_of: StateOf = TextEnv.state_line) -> list[dict[str, list]]:
     """PivotOPD's hinted turns for a share ``prob`` of one episode's turns (after the first).
 
     A real instruct model reads a hint; a tiny one learns to here. The row is the episode up to
@@ -551,7 +566,7 @@ def hint_rows(steps: list[tuple[str, str, bool]], tokenizer, fmt: ChatFormat, pr
             continue
         pivot = rng.randrange(k)
         hinted = [*steps[:k], (f"{obs}\n{hint_text(pivot, steps[pivot][1], action)}", action, True), ("", "", False)]
-        row = _sft_row(hinted, "", tokenizer, fmt, think)
+        row = _sft_row(hinted, "", tokenizer, fmt, think, state_of=state_of)
         start, end = row["response_positions"][k]
         row["loss_mask"] = [1.0 if start <= p < end else 0.0 for p in range(len(row["loss_mask"]))]
         rows.append(row)

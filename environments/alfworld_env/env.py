@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
+import os
 import re
 import sys
 from typing import Any
@@ -38,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from environments.alfworld_env.games import GeneratedGames, OfficialGames
+from environments.alfworld_env.search import SearchExpert, receptacles_in
 from environments.base import TextEnv
 
 ACTION_HELP = (
@@ -47,6 +50,7 @@ ACTION_HELP = (
 )
 NOTHING_HAPPENS = "Nothing happens."  # the engine's reply to a command that is not admissible
 _PUT_RE = re.compile(r"put (.+?) (?:in/on|in|on|into|onto) (.+)")
+EXPERTS = ("planner", "search")  # the ``expert`` kwarg's values besides True (planner) and False (none)
 
 
 def normalize_command(action: Any) -> str:
@@ -174,8 +178,11 @@ class ALFWorldTextEnv(TextEnv):
             ``~/.cache/opd/envs/alfworld``.
         game_files_dir: ALFWorld's downloaded ``json_2.1.1`` directory (or one containing it); when
             given, its games replace the generated ones and the ``n_*``/``split_seed`` args must be unset.
-        expert: Compute ``info["expert_action"]`` with the planner (costs a planner call on reset
-            and whenever the agent leaves the plan); False gives None.
+        expert: Who gives ``info["expert_action"]``: ``"planner"`` (or True), Fast Downward's plan,
+            which knows what closed receptacles hold (a planner call on reset and whenever the agent
+            leaves the plan); ``"search"``, :class:`~environments.alfworld_env.search.SearchExpert`,
+            which knows only what the agent has seen and searches for the object, the expert a
+            model can imitate from its context; False gives None.
         show_admissible: Append "Admissible commands: ..." to every observation.
         invalid_action_penalty: Subtracted from the reward of a command the game does not admit.
         render_mode: None or "ansi"; ``render()`` returns the last observation either way.
@@ -192,12 +199,15 @@ class ALFWorldTextEnv(TextEnv):
         split_seed: int | None = None,
         cache_dir: str | None = None,
         game_files_dir: str | None = None,
-        expert: bool = True,
+        expert: bool | str = True,
         show_admissible: bool = False,
         invalid_action_penalty: float = 0.0,
         render_mode: str | None = None,
     ) -> None:
         _check_int("max_turns", max_turns, minimum=1)
+        if expert not in (True, False, *EXPERTS):
+            raise ValueError(f"expert={expert!r} is not supported; use one of {', '.join(map(repr, EXPERTS))}, "
+                             "True (the planner) or False (no expert)")
         if not isinstance(invalid_action_penalty, (int, float)) or invalid_action_penalty < 0:
             raise ValueError(f"invalid_action_penalty={invalid_action_penalty!r} must be >= 0 (it is subtracted)")
         super().__init__(max_turns=max_turns, render_mode=render_mode, max_observation_chars=16384,
@@ -217,12 +227,15 @@ class ALFWorldTextEnv(TextEnv):
             _check_int("split_seed", 0 if split_seed is None else split_seed, minimum=0)
             self.games = GeneratedGames({"train": n_train, "eval": n_eval, "eval_seen": n_eval},
                                         split_seed=split_seed or 0, cache_dir=cache_dir)
-        self.expert = bool(expert)
+        self.expert = bool(expert)  # whether info carries an expert action
+        self.expert_kind = ("planner" if expert is True else expert) if expert else None
         self.show_admissible = bool(show_admissible)
         self.invalid_action_penalty = float(invalid_action_penalty)
         self._engine: _Engine | None = None  # built on first reset: the engine imports take seconds
         self._admissible: list[str] = []
         self._plan: list[str] = []
+        self._search: SearchExpert | None = None
+        self._holders: dict[str, set[str]] | None = None  # object type -> receptacle types (common sense)
 
     # ----- tasks -----
     def task_ids(self, split: str) -> list[str]:
@@ -235,10 +248,24 @@ class ALFWorldTextEnv(TextEnv):
         game_file = self.games.game_file(task)
         if self._engine is None:
             self._engine = _Engine()
-        intro, self._admissible, won, self._plan = self._engine.reset(game_file, plan=self.expert)
-        if self.expert and (won or not self._plan):
+        planner = self.expert_kind == "planner"
+        intro, self._admissible, won, self._plan = self._engine.reset(game_file, plan=planner)
+        if planner and (won or not self._plan):
             raise RuntimeError(f"the planner finds no plan for task {task!r} ({game_file}); the game is unsolvable")
+        self._search = self._search_expert(game_file, intro) if self.expert_kind == "search" else None
         return self._observe(f"{intro.strip()}\n\n{ACTION_HELP}")
+
+    def _search_expert(self, game_file: str, intro: str) -> SearchExpert:
+        """The search expert of this game: its goal from ``traj_data.json``, its rooms from the intro."""
+        if self._holders is None:
+            from environments.alfworld_env.generator import _LAMP, _LAMP_SURFACES, _catalog
+
+            self._holders = {**_catalog()["holders"], _LAMP: set(_LAMP_SURFACES)}
+        with open(os.path.join(os.path.dirname(game_file), "traj_data.json")) as f:
+            traj = json.load(f)
+        params = traj["pddl_params"]
+        return SearchExpert(traj["task_type"], params["object_target"], params["parent_target"],
+                            params.get("toggle_target", ""), receptacles_in(intro), self._holders)
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Plays one command; one the game does not admit is "Nothing happens.", never an exception."""
@@ -247,9 +274,11 @@ class ALFWorldTextEnv(TextEnv):
         valid = command in self._admissible
         if valid:
             on_plan = bool(self._plan) and command == self._plan[0]
-            replan = self.expert and not on_plan
+            replan = self.expert_kind == "planner" and not on_plan
             feedback, self._admissible, won, plan = self._engine.step(command, replan=replan)
             self._plan = plan if replan else self._plan[1:]
+            if self._search is not None:
+                self._search.observe(command, feedback.strip(), self._admissible)
             reward = 1.0 if won else 0.0
         else:
             # Not sent to the engine: PddlEnv would answer the same and change nothing.
@@ -268,7 +297,8 @@ class ALFWorldTextEnv(TextEnv):
     def _state_info(self) -> dict[str, Any]:
         return {
             "admissible_actions": list(self._admissible),
-            "expert_action": self._plan[0] if self._plan else None,
+            "expert_action": (self._search.action(self._admissible) if self._search is not None and not self._done
+                              else self._plan[0] if self._plan else None),
             "game_file": self._engine.game_file if self._engine else None,  # the game.tw-pddl being played
         }
 

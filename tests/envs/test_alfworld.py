@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from environments.alfworld_env import ALFWorldTextEnv  # noqa: E402
 from environments.alfworld_env.env import ACTION_HELP, NOTHING_HAPPENS, normalize_command  # noqa: E402
 from environments.alfworld_env.games import GeneratedGames, OfficialGames  # noqa: E402
 from environments.alfworld_env.generator import TASK_TYPES, render_problem, sample_task, split_scenes  # noqa: E402
+from environments.alfworld_env.search import SearchExpert, receptacles_in  # noqa: E402
 from opd.envs import check_env, expert_action, make_env  # noqa: E402
 
 ENV_ID = "opd/ALFWorldText-v0"
@@ -69,6 +71,69 @@ def test_expert_solves_one_eval_task_of_each_type(env) -> None:
         outcome = (terminated, truncated, reward, info["success"], info["valid_action"])
         assert outcome == (True, False, 1.0, True, True), task
         assert 3 <= plan_length <= 12 and expert_action(info) is None, task
+
+
+def test_search_expert_solves_every_type_knowing_only_what_it_has_seen(cache_dir) -> None:
+    # The imitable expert: every object it takes was named in an observation before, every
+    # command is admissible, no planner call (the planner's expert walks to hidden objects).
+    env = ALFWorldTextEnv(max_turns=50, cache_dir=cache_dir, expert="search", show_admissible=True,
+                          n_train_tasks=12, n_eval_tasks=12)
+    for task in env.task_ids("eval"):  # 12 tasks: two per type
+        obs, info = env.reset(seed=0, options={"task": task})
+        assert env._plan == []  # no planner call
+        shown, order, took = obs, receptacles_in(obs), False
+        searched: list[int] = []  # where it looked before its first pick-up: in the order the reset lists
+        for _ in range(50):
+            action = expert_action(info)
+            assert action in info["admissible_actions"], (task, action)
+            if not took and action.startswith(("go to ", "open ")):
+                searched.append(order.index(action.removeprefix("go to ").removeprefix("open ")))
+            took = took or action.startswith("take ")
+            if action.startswith("take "):
+                thing = action.split(" from ")[0][len("take "):]
+                assert re.search(rf"\ba {re.escape(thing)}\b", shown), (task, thing)  # "you see a soapbar 1, ..."
+            obs, reward, terminated, truncated, info = env.step(action)
+            shown += "\n" + obs.split("\nAdmissible commands:")[0]
+            if terminated or truncated:
+                break
+        assert (terminated, reward, info["success"]) == (True, 1.0, True), task
+        assert expert_action(info) is None and searched == sorted(searched), (task, searched)
+    assert ALFWorldTextEnv(expert=False, **SMALL).expert_kind is None
+
+
+def test_search_expert_reaches_beside_receptacles_and_remembers_what_full_hands_cannot_take() -> None:
+    # Engine facts the expert relies on: a receptacle at the agent's spot has no "go to" (its
+    # contents are takeable, a closed one is opened from here), and nothing is takeable while
+    # the agent holds something, which must not make it forget the second of two objects.
+    intro = "Looking quickly around you, you see a cabinet 2, a cabinet 1, a sofa 1, and a shelf 1.\n"
+    expert = SearchExpert("pick_two_obj_and_place", "Book", "Shelf", "", receptacles_in(intro),
+                          {"Book": {"Cabinet", "Sofa"}})
+    assert expert.receptacles == ["cabinet 2", "cabinet 1", "sofa 1", "shelf 1"]
+    here = ["go to cabinet 1", "go to sofa 1", "go to shelf 1", "open cabinet 2", "open cabinet 1"]
+    assert expert.action(["go to cabinet 2", *here[:3]]) == "go to cabinet 2"
+    expert.observe("go to cabinet 2", "You arrive at cabinet 2. The cabinet 2 is closed.",
+                   ["go to sofa 1", "go to shelf 1", "open cabinet 2", "open cabinet 1"])
+    assert expert.action(["go to sofa 1", "go to shelf 1", "open cabinet 2", "open cabinet 1"]) == "open cabinet 2"
+    expert.observe("open cabinet 2", "You open the cabinet 2. The cabinet 2 is open. In it, you see nothing.",
+                   ["go to sofa 1", "go to shelf 1", "close cabinet 2", "open cabinet 1"])
+    # cabinet 1 shares the spot: opened from here, not gone to
+    assert expert.action(["go to sofa 1", "go to shelf 1", "close cabinet 2", "open cabinet 1"]) == "open cabinet 1"
+    expert.observe("open cabinet 1", "You open the cabinet 1. ...",
+                   ["go to sofa 1", "go to shelf 1", "take book 1 from cabinet 1", "take book 2 from cabinet 1"])
+    assert expert.seen == {"book 1": "cabinet 1", "book 2": "cabinet 1"}
+    assert expert.action(["go to sofa 1", "take book 1 from cabinet 1", "take book 2 from cabinet 1"]) \
+        == "take book 1 from cabinet 1"
+    expert.observe("take book 1 from cabinet 1", "You pick up the book 1 from the cabinet 1.", ["go to shelf 1"])
+    assert expert.seen == {"book 2": "cabinet 1"}  # full hands: book 2 is not takeable, and not forgotten
+    assert expert.action(["go to sofa 1", "go to shelf 1"]) == "go to shelf 1"
+    expert.observe("go to shelf 1", "You arrive at shelf 1.", ["go to cabinet 1", "move book 1 to shelf 1"])
+    assert expert.action(["go to cabinet 1", "move book 1 to shelf 1"]) == "move book 1 to shelf 1"
+    expert.observe("move book 1 to shelf 1", "You move the book 1 to the shelf 1.",
+                   ["go to cabinet 1", "take book 1 from shelf 1"])
+    assert expert.delivered == {"book 1"}
+    # the delivered book is takeable at the shelf, but the expert goes back for the other one
+    assert expert.action(["go to cabinet 1", "take book 1 from shelf 1"]) == "go to cabinet 1"
+    assert expert.action(["look"]) is None  # not admissible: None, never an invalid command
 
 
 def test_reset_observation_and_info(env) -> None:
@@ -299,6 +364,7 @@ def test_bad_task_id_raises_naming_it(task, cache_dir) -> None:
     ({"n_eval_tasks": 0}, "n_eval_tasks=0"),
     ({"invalid_action_penalty": -1}, "invalid_action_penalty=-1"),
     ({"render_mode": "human"}, "render_mode='human'"),
+    ({"expert": "oracle"}, "expert='oracle'"),
 ])
 def test_bad_kwarg_raises_naming_it(kwargs, name) -> None:
     with pytest.raises(ValueError, match=name):

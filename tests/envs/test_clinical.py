@@ -398,3 +398,20 @@ def test_reward_kwargs_change_the_rewards_only_so_one_bootstrap_serves_both(sett
     cfg = SimpleNamespace(id=ENV_ID, module="", kwargs={"setting": setting, "reward": "outcome_info_gain",
                                                         "info_gain_coef": 0.3, "max_turns": 6})
     assert data_kwargs(cfg) == {"setting": setting, "max_turns": 6}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_state_line_is_the_finding_not_the_instructions_or_turn_count(setting) -> None:
+    # A ``think: plan`` target states the state line; the default (the last line) would be the
+    # reset's answer format and every step's "Turns left", which a reasoning model then copies.
+    env = ClinicalWorkupEnv(setting=setting, **{**SMALL, "max_turns": 2})
+    obs, info = env.reset(options={"task": env.task_ids("eval")[0]})
+    presentation = obs.splitlines()[1]
+    assert ClinicalWorkupEnv.state_line(obs) == presentation and not presentation.startswith("Clinical work-up")
+    assert "Reply with" in obs.splitlines()[-1]  # what the default would have taken
+    obs, *_, info = env.step(info["expert_action"])
+    assert "Turns left: 1." in obs
+    finding = ClinicalWorkupEnv.state_line(obs)
+    assert finding == obs.removesuffix(" Turns left: 1.") and "Turns left" not in finding
+    obs, *_ = env.step("order pizza")  # invalid, and the budget is used up
+    assert ClinicalWorkupEnv.state_line(obs) == "Invalid action 'order pizza'."

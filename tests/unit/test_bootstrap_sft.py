@@ -161,3 +161,35 @@ def test_a_pretrained_start_is_cut_to_its_first_blocks_and_named_in_the_cache_ke
     pretrained = [OmegaConf.structured(BootstrapConfig(init=str(tmp_path / "base"), tokenizer="t", init_layers=n))
                   for n in (0, 2)]
     assert len({bootstrap.bootstrap_key(b, env, 0) for b in pretrained} | keys) == 3
+
+
+def test_a_plan_states_the_envs_state_line_and_an_env_of_its_own_gets_a_key_of_its_own(tokenizer, fmt, monkeypatch):
+    """``think: plan`` targets say ``State: <the env's state_line>``: FrozenLake's last line, the
+    clinical finding without its "Turns left" (not the reset's answer format). An env with its own
+    state line changes the targets, so its think models get a new cache key; others keep theirs."""
+    from environments.clinical import ClinicalWorkupEnv
+
+    frozen = OmegaConf.structured(EnvConfig(id="opd/FrozenLakeText-v0"))
+    clinical = OmegaConf.structured(EnvConfig(id="opd/ClinicalWorkup-v0"))
+    assert bootstrap.env_state_of(frozen)("A F\nAround you: left wall.") == "Around you: left wall."
+    assert bootstrap.env_state_of(clinical) is ClinicalWorkupEnv.state_line
+    env = ClinicalWorkupEnv(n_train_tasks=5, n_eval_tasks=5)
+    obs, info = env.reset(options={"task": env.task_ids("train")[0]})
+    first = bootstrap.plan_text(obs, info["expert_action"], bootstrap.env_state_of(clinical))
+    assert first == f"State: {obs.splitlines()[1]} Plan: {info['expert_action']}."
+    assert bootstrap.plan_text(obs, "x").startswith("State: Reply with")  # the default: the answer format
+    steps = [(obs, info["expert_action"], True), ("Troponin: 6 ng/L (normal). Turns left: 10.", "commit discharge", True),
+             ("Decision: ...", "", False)]
+    row = bootstrap._sft_row(steps, "t", tokenizer, fmt, think="plan", state_of=ClinicalWorkupEnv.state_line)
+    (_, _), (start, end) = row["response_positions"]
+    assert tokenizer.decode(row["input_ids"][start:end]).startswith("<think> State: Troponin: 6 ng/L (normal). Plan:")
+
+    def key(env_cfg, think):
+        return bootstrap.bootstrap_key(OmegaConf.structured(BootstrapConfig(think=think)), env_cfg, 0)
+
+    assert key(clinical, "plan") != key(clinical, "") and key(frozen, "plan") != key(frozen, "")
+    hashed: list[dict] = []
+    monkeypatch.setattr(bootstrap, "_digest", lambda payload: hashed.append(payload) or "k")
+    key(frozen, "plan"), key(clinical, "plan")
+    assert "state_line" not in hashed[0]["boot"]  # FrozenLake's think models keep their key
+    assert hashed[1]["boot"]["state_line"] == 1
