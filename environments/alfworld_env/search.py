@@ -13,8 +13,9 @@ turns the lamp on). A model can learn that policy from its context.
 Its state is what the agent learnt from its own steps: where it stands, which receptacles it has
 visited, the objects it saw and where, what it holds and what it has done. :meth:`observe` reads
 each step's result from the commands the engine admitted; :meth:`action` gives the next command,
-one of the admissible ones, or None when the search has run out of places to look (which the
-expert's tests check never happens on generated games).
+one of the admissible ones, or None when it has run out of places to look or the room lacks a
+receptacle the task needs by name (1 of 240 generated train games, none of 48 eval games;
+``docs/envs/alfworld.md``).
 
 Example:
     >>> expert = SearchExpert("pick_and_place_simple", "Mug", "Shelf", "",
@@ -75,7 +76,6 @@ class SearchExpert:
         self.task_type = task_type
         self.target = object_target.lower()
         self.goal = parent_target.lower()
-        self.count = 2 if task_type == "pick_two_obj_and_place" else 1
         self.process = PROCESS.get(task_type)
         self.look = task_type == "look_at_obj_in_light"
         self.receptacles = list(receptacles)
