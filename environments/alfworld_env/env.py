@@ -227,7 +227,6 @@ class ALFWorldTextEnv(TextEnv):
             _check_int("split_seed", 0 if split_seed is None else split_seed, minimum=0)
             self.games = GeneratedGames({"train": n_train, "eval": n_eval, "eval_seen": n_eval},
                                         split_seed=split_seed or 0, cache_dir=cache_dir)
-        self.expert = bool(expert)  # whether info carries an expert action
         self.expert_kind = ("planner" if expert is True else expert) if expert else None
         self.show_admissible = bool(show_admissible)
         self.invalid_action_penalty = float(invalid_action_penalty)
@@ -236,6 +235,11 @@ class ALFWorldTextEnv(TextEnv):
         self._plan: list[str] = []
         self._search: SearchExpert | None = None
         self._holders: dict[str, set[str]] | None = None  # object type -> receptacle types (common sense)
+
+    @property
+    def expert(self) -> bool:
+        """Whether ``info`` carries an expert action (the other envs' attribute)."""
+        return self.expert_kind is not None
 
     # ----- tasks -----
     def task_ids(self, split: str) -> list[str]:
