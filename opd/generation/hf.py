@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from opd.generation.base import Completion, SamplingParams, ScoreRequest, TokenScores, scores_from_logprobs
 from opd.generation.hf_stream import HFStream
-from opd.generation.kv_cache import PrefixCache, kv_cache, kv_layers
+from opd.generation.kv_cache import PrefixCache, kv_cache, kv_layers, pad_columns
 from opd.generation.packed import causal_forward, head_logits_at, packed_forward
 from opd.models import load_model, load_tokenizer
 from opd.trajectory import length_groups
@@ -33,11 +33,16 @@ class HFEngine:
     """One causal LM behind the engine contract (see :mod:`opd.generation.base`)."""
 
     def __init__(self, model, pad_id: int, max_batch_size: int = 64, device: str | None = None, tokenizer=None,
-                 prefix_cache_mb: float = 0.0):
+                 prefix_cache_mb: float = 0.0, max_prefill_scores: int = 2**26):
+        """``max_prefill_scores``: the most attention scores (rows x heads x new columns x all
+        columns) one prefill forward computes; a longer prefill runs in column chunks (see
+        :meth:`prefill`). The default, 64M, is 256 MB of float32 scores a layer."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = model.to(self.device).eval()
         self.pad_id = pad_id
         self.max_batch_size = max_batch_size
+        self.max_prefill_scores = max_prefill_scores
+        self.prefill_forwards = 0  # forwards run by prefill, chunks counted
         self.tokenizer = tokenizer  # only stop strings need it (generation is ids in, ids out)
         self.prefixes = PrefixCache(int(prefix_cache_mb * 2**20))
 
@@ -125,6 +130,11 @@ class HFEngine:
         the rest is computed; the attention mask hides both paddings. Each prompt's KV is then
         cached for the prompts that extend it (a multi-turn context grows by appending).
 
+        The new columns go through the model in chunks, each of at most ``max_prefill_scores``
+        attention scores (and as many mask entries): a forward's memory grows with rows x new
+        columns x all columns, which for 48 prompts of 10k uncached tokens is tens of GB in one
+        go. The chunks' results equal one forward's up to float rounding.
+
         Args:
             prompts: token ids, one non-empty list per row.
 
@@ -165,16 +175,26 @@ class HFEngine:
                         values[i, :, P - n : P] = kv[layer][1][:, :n]
                 layers.append((keys, values))
             past = kv_cache(layers, length=P)  # the new tokens are written into the room after P
-        mask_BS = mask_BS.to(self.device)
-        out = self.model(input_ids=ids_BU.to(self.device), attention_mask=mask_BS, position_ids=position_BU.to(self.device),
-                         past_key_values=past, use_cache=True, logits_to_keep=1)
+        mask_BS, ids_BU, position_BU = mask_BS.to(self.device), ids_BU.to(self.device), position_BU.to(self.device)
+        heads = getattr(self.model.config, "num_attention_heads", 1) or 1
+        columns = max(1, self.max_prefill_scores // (B * heads * (P + U)))
+        for start in range(0, U, columns):
+            end = min(U, start + columns)
+            out = self.model(input_ids=ids_BU[:, start:end], attention_mask=mask_BS[:, : P + end],
+                             position_ids=position_BU[:, start:end], past_key_values=past, use_cache=True,
+                             logits_to_keep=1)
+            past = out.past_key_values
+            if start == 0 and not P and end < U:  # room for the other chunks at once: no copy per chunk
+                past = kv_cache([(pad_columns(k, 0, U - end), pad_columns(v, 0, U - end)) for k, v in kv_layers(past)],
+                                length=end)
+            self.prefill_forwards += 1
         if self.prefixes.capacity_bytes:
             real_BS = mask_BS.bool()
-            layers = kv_layers(out.past_key_values)
+            layers = kv_layers(past)
             for i, p in enumerate(prompts):
                 self.prefixes.put(p, [(k[i][:, real_BS[i]], v[i][:, real_BS[i]]) for k, v in layers])
         next_pos_B = torch.tensor([len(p) for p in prompts], device=self.device)
-        return out.past_key_values, mask_BS, next_pos_B, out.logits[:, -1].float()
+        return past, mask_BS, next_pos_B, out.logits[:, -1].float()
 
     def _stop_strings_hit(self, tokens: list[torch.Tensor], done_B: torch.Tensor, stop: tuple[str, ...]) -> torch.Tensor:
         """``[B]`` True where a live row's text so far contains a stop string."""

@@ -209,6 +209,32 @@ def test_prefix_cache_keeps_within_its_budget(tiny_model_dir):
     assert 0 < len(engine.prefixes) < 50 and engine.prefixes._bytes <= 0.05 * 2**20
 
 
+@pytest.mark.parametrize("cache_mb", [0, 16], ids=["cold", "prefix-cache"])
+def test_a_prefill_over_its_score_budget_runs_in_chunks_with_the_same_results(tokenizer, fmt, tiny_model_dir, cache_mb):
+    """A budget of 2,000 scores splits every prefill here into chunks of 1-3 columns (left padding
+    leaves some rows all padding in a chunk); greedy tokens and logprobs, in ``generate`` and in
+    a stream, equal those of one forward per prefill."""
+    whole = HFEngine.from_pretrained(tiny_model_dir, prefix_cache_mb=cache_mb)
+    chunked = HFEngine.from_pretrained(tiny_model_dir, prefix_cache_mb=cache_mb)
+    chunked.max_prefill_scores = 2_000
+    base = [list(range(5, 40)), list(range(50, 140)), [7, 8]]
+    longer = [base[0] + [7, 8, 9], base[1] + list(range(3, 30)), list(range(200, 230)), base[2]]
+    greedy = SamplingParams(max_new_tokens=5, temperature=0, stop_token_ids=(fmt.im_end_id,))
+    for prompts in (base, longer):  # the second call reuses the first's KV where the cache is on
+        before = chunked.prefill_forwards, whole.prefill_forwards
+        for got, want in zip(chunked.generate(prompts, greedy), whole.generate(prompts, greedy)):
+            assert got.response_ids == want.response_ids
+            torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
+        assert whole.prefill_forwards - before[1] == 1
+        assert chunked.prefill_forwards - before[0] >= 2
+    stream = chunked.stream()
+    for k, prompt in enumerate(longer):
+        stream.add(k, prompt, greedy)
+    out = _drain(stream)
+    for k, prompt in enumerate(longer):
+        assert out[k].response_ids == whole.generate([prompt], greedy)[0].response_ids
+
+
 def test_stream_under_churn_grows_and_compacts_without_changing_any_result(fmt, tiny_model_dir):
     """40 requests of 3-150 prompt tokens joining at random steps: the buffer gains slots,
     room on the left (a prompt longer than any before) and on the right, and compacts when
