@@ -43,6 +43,9 @@ class TextEnv(gymnasium.Env):
         reward_kwargs: Keyword arguments that change the rewards only: not the tasks, the
             observations nor the expert's actions. The CPU bootstrap keeps them out of the cache
             key of the models it trains on the expert, so that one model serves every reward.
+        data_version: Version of the content the environment generates (its tasks, text and
+            expert), bumped when that content changes. The CPU bootstrap puts it into the cache
+            key of the models it trains on the expert, so a changed generator retrains them.
         max_turns: Turn budget; a step that reaches it without ending the episode truncates.
         render_mode: None or "ansi"; ``render()`` returns the current text either way.
 
@@ -73,6 +76,7 @@ class TextEnv(gymnasium.Env):
     metadata = {"render_modes": ["ansi"]}
     tokenizer_words: tuple[str, ...] = ()
     reward_kwargs: frozenset[str] = frozenset()
+    data_version: str = ""
 
     def __init__(
         self,

@@ -421,9 +421,13 @@ def bootstrap_key(boot: Any, env_cfg: Any, seed: int) -> str:
         settings["sft_head"] = "targets"  # see sft(): the same loss, rounded otherwise
     if boot.think and env_state_of(env_cfg) is not TextEnv.state_line:
         settings["state_line"] = 1  # the env's own state line (not the last one): new targets, new key
-    return _digest({"v": CACHE_VERSION, "boot": settings, "env": env_cfg.id,
-                    "kwargs": data_kwargs(env_cfg), "split": env_cfg.train_split, "seed": seed,
-                    "build": build_environment()})
+    key = {"v": CACHE_VERSION, "boot": settings, "env": env_cfg.id, "kwargs": data_kwargs(env_cfg),
+           "split": env_cfg.train_split, "seed": seed, "build": build_environment()}
+    data_version = getattr(EnvFactory(env_cfg.id, dict(_plain(env_cfg.kwargs)), env_cfg.module).env_class(),
+                           "data_version", "")
+    if data_version:  # unset for most envs, whose keys stay as they were
+        key["data"] = data_version
+    return _digest(key)
 
 
 def build_bootstrap_model(boot: Any, env_cfg: Any, seed: int, log: Callable[[str], None] = print) -> str:

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from environments.alfworld_env.games import GeneratedGames, OfficialGames
+from environments.alfworld_env.games import GENERATOR_VERSION, GeneratedGames, OfficialGames
 from environments.alfworld_env.search import SearchExpert, receptacles_in
 from environments.base import TextEnv
 
@@ -189,6 +189,7 @@ class ALFWorldTextEnv(TextEnv):
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
+    data_version = f"generator-v{GENERATOR_VERSION}"  # the generated games' version (see games.py)
 
     def __init__(
         self,

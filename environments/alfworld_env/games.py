@@ -32,7 +32,8 @@ import tempfile
 from environments.alfworld_env.generator import TASK_TYPES, game_data, sample_task, traj_data
 from environments.base import check_split
 
-GENERATOR_VERSION = 1  # bump when generated content changes, so stale caches are not reused
+GENERATOR_VERSION = 1  # bump when generated content changes, so stale caches (games, and the CPU
+# bootstrap's models, through ALFWorldTextEnv.data_version) are not reused
 DEFAULT_CACHE_DIR = "~/.cache/opd/envs/alfworld"
 CACHE_ENV_VAR = "OPD_ALFWORLD_CACHE"
 GENERATED_SPLITS = ("train", "eval", "eval_seen")

@@ -193,3 +193,21 @@ def test_a_plan_states_the_envs_state_line_and_an_env_of_its_own_gets_a_key_of_i
     key(frozen, "plan"), key(clinical, "plan")
     assert "state_line" not in hashed[0]["boot"]  # FrozenLake's think models keep their key
     assert hashed[1]["boot"]["state_line"] == 1
+
+
+def test_an_envs_data_version_is_in_the_key_so_a_changed_generator_retrains(monkeypatch):
+    """ALFWorld's generated games carry a version (``GENERATOR_VERSION``): a bootstrap model
+    trained on games of another version gets another key. Envs without one keep their keys."""
+    from environments.alfworld_env.env import ALFWorldTextEnv
+
+    alfworld = OmegaConf.structured(EnvConfig(id="opd/ALFWorldText-v0", kwargs={"n_train_tasks": 4}))
+    frozen = OmegaConf.structured(EnvConfig(id="opd/FrozenLakeText-v0"))
+    boot = OmegaConf.structured(BootstrapConfig())
+    before = bootstrap.bootstrap_key(boot, alfworld, 0)
+    assert ALFWorldTextEnv.data_version == "generator-v1"
+    monkeypatch.setattr(ALFWorldTextEnv, "data_version", "generator-v2")
+    assert bootstrap.bootstrap_key(boot, alfworld, 0) != before
+    hashed: list[dict] = []
+    monkeypatch.setattr(bootstrap, "_digest", lambda payload: hashed.append(payload) or "k")
+    bootstrap.bootstrap_key(boot, frozen, 0), bootstrap.bootstrap_key(boot, alfworld, 0)
+    assert "data" not in hashed[0] and hashed[1]["data"] == "generator-v2"
