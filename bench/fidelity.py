@@ -72,12 +72,10 @@ class Study:
 # costs several plain ones. The student gets 100 SFT steps, not the recipe's 50: after 50 its plans
 # were broken text (8% of its greedy actions valid, 2% sampled), and in both views OPD only moved
 # it between degenerate policies (commit at once, which is right half the time; repeat a test).
-# The rollouts sample at temperature 0.5: at 1.0 the 100-step student's sampled turns made a valid
-# action in 23% of the first step's turns (97% greedily), OPD trained on that broken text and the
-# greedy student fell from 52% to 4% in both views; at 0.5 it solves 44% of 100 held-out tasks
-# with 1.0 invalid actions in 4.5 turns (docs/results.md). The learning rate is 2e-4, not the
-# recipe's 1e-3: at 1e-3 the first step's samples were 77% valid and three steps later 40% (5% at
-# step 10), the loss rising, so the first updates broke the student's reasoning format.
+# Rollouts at temperature 0.5 and lr 2e-4, the last of three tries: at temperature 1.0 the first
+# step's samples were 23% valid (97% greedily); at 0.5 they start 77% valid, and at the recipe's lr
+# 1e-3 the first updates broke them (40% by step 4). Even so OPD still broke the student in both
+# views (52% -> 16.5% and 10.5%; docs/results.md, "State-grounded vs full-context teacher, clinical").
 CLINICAL_REASONING = ("teacher.bootstrap.think=plan", "teacher.bootstrap.history=both", "student.bootstrap.think=plan",
                       "student.bootstrap.sft_steps=100", "rollout.max_new_tokens=96", "rollout.temperature=0.5",
                       "trainer.learning_rate=2e-4", "run.total_steps=100")
