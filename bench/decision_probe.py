@@ -52,16 +52,18 @@ def episode_probes(turns, tokenizer, fmt) -> tuple[list[int], list[tuple[int, st
 def probe(model_dir: str, episodes: list[tuple[list[int], list[tuple[int, str]]]], word_ids: dict[str, int]) -> dict:
     """Per teacher word: turns, the student's mean P(that word), mean P(commit) and argmax shares."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from opd.models import load_model
+
+    model = load_model(model_dir)
+    columns = [word_ids[w] for w in WORDS]
     rows: dict[str, list] = {w: [] for w in WORDS}
     with torch.no_grad():
         for ids, probes in episodes:
             logp_TV = torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)
             for pos, word in probes:
                 if word in rows:
-                    rows[word].append(logp_TV[pos, [word_ids[w] for w in WORDS]].exp())
+                    rows[word].append(logp_TV[pos, columns].exp())
     out = {}
     for word, got in rows.items():
         if not got:
@@ -79,9 +81,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--runs", nargs="+", type=Path, default=VIEW_RUNS, help="view-study run directories")
     args = parser.parse_args(argv)
     import pandas as pd
-    from transformers import AutoTokenizer
 
     from opd.chat import ChatFormat
+    from opd.models import load_tokenizer
 
     missing = [str(r) for r in args.runs if not (r / "config.yaml").is_file()]
     if missing:
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     first = args.runs[0]
     models = {"start": model_of(f"{first}@0")}
     models.update({run.name.removeprefix("clinical_diagnostic_"): model_of(str(run)) for run in args.runs})
-    tokenizer = AutoTokenizer.from_pretrained(models["start"])
+    tokenizer = load_tokenizer(models["start"])
     fmt = ChatFormat.from_tokenizer(tokenizer)
     word_ids = {w: tokenizer.encode(" " + w, add_special_tokens=False)[0] for w in WORDS}
     teacher = pd.read_parquet(first / "trajectories" / "eval_teacher_step_0.parquet")
