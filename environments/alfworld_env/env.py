@@ -184,6 +184,9 @@ class ALFWorldTextEnv(TextEnv):
             which knows only what the agent has seen and searches for the object, the expert a
             model can imitate from its context; False gives None.
         show_admissible: Append "Admissible commands: ..." to every observation.
+        vary_train_rooms: Furnish each generated train room anew: receptacle types leave or join it
+            at random (eval rooms keep their floor plans' furniture), so that a model trained on the
+            train games must read which receptacles a room has rather than remember its floor plan.
         invalid_action_penalty: Subtracted from the reward of a command the game does not admit.
         render_mode: None or "ansi"; ``render()`` returns the last observation either way.
     """
@@ -202,6 +205,7 @@ class ALFWorldTextEnv(TextEnv):
         game_files_dir: str | None = None,
         expert: bool | str = True,
         show_admissible: bool = False,
+        vary_train_rooms: bool = False,
         invalid_action_penalty: float = 0.0,
         render_mode: str | None = None,
     ) -> None:
@@ -215,7 +219,8 @@ class ALFWorldTextEnv(TextEnv):
                          max_action_chars=256)
         if game_files_dir is not None:
             given = {k: v for k, v in (("n_train_tasks", n_train_tasks), ("n_eval_tasks", n_eval_tasks),
-                                       ("split_seed", split_seed), ("cache_dir", cache_dir)) if v is not None}
+                                       ("split_seed", split_seed), ("cache_dir", cache_dir),
+                                       ("vary_train_rooms", vary_train_rooms or None)) if v is not None}
             if given:
                 raise ValueError(f"{', '.join(f'{k}={v!r}' for k, v in given.items())} only applies to generated "
                                  f"games; with game_files_dir the official games and splits are used as they are")
@@ -227,7 +232,8 @@ class ALFWorldTextEnv(TextEnv):
             _check_int("n_eval_tasks", n_eval, minimum=1)
             _check_int("split_seed", 0 if split_seed is None else split_seed, minimum=0)
             self.games = GeneratedGames({"train": n_train, "eval": n_eval, "eval_seen": n_eval},
-                                        split_seed=split_seed or 0, cache_dir=cache_dir)
+                                        split_seed=split_seed or 0, cache_dir=cache_dir,
+                                        vary_train_rooms=vary_train_rooms)
         self.expert_kind = ("planner" if expert is True else expert) if expert else None
         self.show_admissible = bool(show_admissible)
         self.invalid_action_penalty = float(invalid_action_penalty)

@@ -65,11 +65,15 @@ class GeneratedGames:
         split_seed: Seed of the generator (not of episodes).
         cache_dir: Root of the on-disk cache; None uses ``$OPD_ALFWORLD_CACHE`` or
             ``~/.cache/opd/envs/alfworld``.
+        vary_train_rooms: Furnish each "train" room anew (``generator.sample_task``'s ``vary_rooms``);
+            the eval splits keep their floor plans' furniture.
     """
 
-    def __init__(self, n_tasks: dict[str, int], split_seed: int, cache_dir: str | None) -> None:
+    def __init__(self, n_tasks: dict[str, int], split_seed: int, cache_dir: str | None,
+                 vary_train_rooms: bool = False) -> None:
         self.n_tasks = dict(n_tasks)
         self.split_seed = split_seed
+        self.vary_train_rooms = bool(vary_train_rooms)
         root = cache_dir or os.environ.get(CACHE_ENV_VAR) or DEFAULT_CACHE_DIR
         # The domain and grammar are copied from the alfworld package into each game, so its version keys the cache.
         try:
@@ -77,7 +81,8 @@ class GeneratedGames:
         except importlib.metadata.PackageNotFoundError as exc:
             raise ImportError("ALFWorld needs the 'alfworld' package: pip install alfworld==0.4.2") from exc
         version = f"v{GENERATOR_VERSION}-alfworld{alfworld_version}"
-        self.root = os.path.join(os.path.expanduser(root), version, f"seed{split_seed}")
+        seed_dir = f"seed{split_seed}" + ("-varied" if self.vary_train_rooms else "")
+        self.root = os.path.join(os.path.expanduser(root), version, seed_dir)
 
     @property
     def splits(self) -> tuple[str, ...]:
@@ -108,7 +113,7 @@ class GeneratedGames:
         directory = os.path.join(self.root, split, task_id)
         path = os.path.join(directory, "game.tw-pddl")
         if not os.path.exists(path):
-            task = sample_task(split, index, self.split_seed)
+            task = sample_task(split, index, self.split_seed, vary_rooms=self.vary_train_rooms and split == "train")
             # Solvable by construction; the env still checks that the planner finds a plan at reset.
             game = {**game_data(task), "solvable": True}
             write_atomic(os.path.join(directory, "traj_data.json"), json.dumps(traj_data(task), indent=1))

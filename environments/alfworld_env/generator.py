@@ -66,6 +66,7 @@ _LAMP_SURFACES = ("SideTable", "Desk", "Dresser", "Shelf", "CoffeeTable", "Dinin
 _BASINS = {"Sink": "SinkBasin", "Bathtub": "BathtubBasin"}  # openable.json names the fixture, PDDL the basin
 _SYNTHETIC_COUNTS = {"StoveBurner": 4}  # instances of a static receptacle the layout file lacks; default 1
 _MAX_DISTRACTOR_TYPES = 10  # portable non-target types per room: keeps observations and steps short
+_VARY_DROP, _VARY_ADD = 0.35, 0.25  # vary_rooms: the chance a room loses a receptacle type / gains one
 _GRID = 0.25  # AI2-THOR agent step (constants.AGENT_STEP_SIZE): location ids are in grid units
 
 
@@ -175,11 +176,13 @@ def scene_inventory(scene: int) -> tuple[tuple[Receptacle, ...], frozenset[str]]
 
 
 # ----- sampling -----
-def sample_task(split: str, index: int, split_seed: int = 0) -> GeneratedTask:
+def sample_task(split: str, index: int, split_seed: int = 0, vary_rooms: bool = False) -> GeneratedTask:
     """The task at ``index`` of ``split``: a pure function of its arguments.
 
     The task type cycles with the index (``index % 6``, in ``TASK_TYPES`` order), so any prefix of a
-    split is balanced over the six types.
+    split is balanced over the six types. ``vary_rooms`` furnishes each room anew (see
+    :func:`_vary_furniture`), so that which receptacles a room has is read from its listing, not
+    remembered from its floor plan.
     """
     slug = list(TASK_TYPES)[index % len(TASK_TYPES)]
     task_type = TASK_TYPES[slug]
@@ -189,13 +192,13 @@ def sample_task(split: str, index: int, split_seed: int = 0) -> GeneratedTask:
     scenes = [s for s in split_scenes(split) if room_type(s) in _constants().GOALS_VALID[task_type]]
     rng.shuffle(scenes)
     for scene in scenes:
-        task = _sample_in_scene(task_id, task_type, scene, rng)
+        task = _sample_in_scene(task_id, task_type, scene, rng, vary_rooms)
         if task is not None:
             return task
     raise RuntimeError(f"no floor plan in split {split!r} can host a {task_type} task")
 
 
-def _room_receptacles(scene: int, rng: random.Random) -> list[Receptacle]:
+def _room_receptacles(scene: int, rng: random.Random, vary: bool = False) -> list[Receptacle]:
     cat = _catalog()
     recorded, types = scene_inventory(scene)
     receptacles = list(recorded)
@@ -205,12 +208,44 @@ def _room_receptacles(scene: int, rng: random.Random) -> list[Receptacle]:
         for _ in range(_SYNTHETIC_COUNTS.get(rtype, 1)):
             location = _fresh_location(rng, used_locations)
             receptacles.append(Receptacle(_fresh_id(rtype, rng, taken), rtype, location))
-    return receptacles
+    return _vary_furniture(scene, receptacles, rng) if vary else receptacles
 
 
-def _sample_in_scene(task_id: str, task_type: str, scene: int, rng: random.Random) -> GeneratedTask | None:
+@functools.lru_cache(maxsize=8)
+def _furniture_of(kind: str) -> tuple[str, ...]:
+    """Receptacle types found in the train floor plans of a room type ("Kitchen", "Bathroom", ...)."""
     cat = _catalog()
-    receptacles = _room_receptacles(scene, rng)
+    found: set[str] = set()
+    for scene in _constants().TRAIN_SCENE_NUMBERS:
+        if room_type(scene) == kind:
+            recorded, types = scene_inventory(scene)
+            found |= {r.type for r in recorded} | (set(types) & cat["static"])
+    return tuple(sorted(found))
+
+
+def _vary_furniture(scene: int, receptacles: list[Receptacle], rng: random.Random) -> list[Receptacle]:
+    """The room with its furniture changed: each receptacle type it has leaves with probability
+    ``_VARY_DROP`` (at least two stay), and each other type that rooms of its kind have comes with
+    probability ``_VARY_ADD`` (1-3 of it, at new locations). The task is then sampled in that room as
+    in any other; a room that cannot host it is skipped like a floor plan that cannot."""
+    present = sorted({r.type for r in receptacles})
+    kept = {t for t in present if rng.random() >= _VARY_DROP}
+    if len(kept) < 2:
+        kept = set(rng.sample(present, min(2, len(present))))
+    out = [r for r in receptacles if r.type in kept]
+    used_locations, taken = {r.location for r in receptacles}, {r.id for r in receptacles}
+    for rtype in _furniture_of(room_type(scene)):
+        if rtype in present or rng.random() >= _VARY_ADD:
+            continue
+        for _ in range(_SYNTHETIC_COUNTS.get(rtype, rng.randint(1, 3))):
+            out.append(Receptacle(_fresh_id(rtype, rng, taken), rtype, _fresh_location(rng, used_locations)))
+    return out
+
+
+def _sample_in_scene(task_id: str, task_type: str, scene: int, rng: random.Random,
+                     vary_rooms: bool = False) -> GeneratedTask | None:
+    cat = _catalog()
+    receptacles = _room_receptacles(scene, rng, vary_rooms)
     _, types = scene_inventory(scene)
     rtypes_present = {r.type for r in receptacles}
     holds = {o: cat["holders"][o] & rtypes_present for o in sorted(types & cat["portable"])}

@@ -278,6 +278,36 @@ def test_generation_is_a_pure_function_of_split_index_and_seed() -> None:
         assert not any(o.type == t.object_target and o.receptacle in parents for o in t.objects)
 
 
+def test_varied_train_rooms_change_furniture_only_in_train_and_stay_solvable(cache_dir) -> None:
+    def furniture(task) -> set[str]:
+        return {r.type for r in task.receptacles}
+
+    plan_furniture = {}  # a floor plan's receptacle types are the same in every plain game
+    for i in range(600):
+        task = sample_task("train", i)
+        plan_furniture.setdefault(task.scene, furniture(task))
+    varied = [sample_task("train", i, vary_rooms=True) for i in range(60)]
+    assert varied == [sample_task("train", i, vary_rooms=True) for i in range(60)]  # still a pure function
+    assert {t.scene for t in varied} <= set(split_scenes("train"))
+    compared = [v for v in varied if v.scene in plan_furniture]
+    changed = [v for v in compared if furniture(v) != plan_furniture[v.scene]]
+    assert len(compared) >= 50 and len(changed) >= 0.8 * len(compared), (len(compared), len(changed))
+    for task in varied:  # the task's needs are still in the room
+        assert task.parent_target in furniture(task) or task.task_type == "look_at_obj_in_light"
+        assert {r.id for r in task.receptacles} >= {o.receptacle for o in task.objects}
+    # Only the train split varies, and its games live in their own cache directory.
+    games = GeneratedGames({"train": 6, "eval": 6}, split_seed=0, cache_dir=cache_dir, vary_train_rooms=True)
+    assert games.root.endswith("seed0-varied")
+    with open(games.game_file(EVAL_HEAT)) as f:
+        assert json.load(f)["pddl_problem"] == render_problem(sample_task("eval", 3))
+    env = ALFWorldTextEnv(max_turns=30, cache_dir=cache_dir, expert="search", vary_train_rooms=True, **SMALL)
+    for task in env.task_ids("train")[:6]:  # one of each type, on the real engine
+        *_, reward, info = play_expert(env, task)
+        assert (reward, info["success"]) == (1.0, True), task
+    with pytest.raises(ValueError, match="vary_train_rooms=True only applies to generated games"):
+        ALFWorldTextEnv(game_files_dir=cache_dir, vary_train_rooms=True)
+
+
 def test_cache_is_written_once_and_atomically(tmp_path, monkeypatch) -> None:
     import environments.alfworld_env.games as games_module
 
