@@ -45,6 +45,11 @@ class Arm:
     recipe: str  # under recipes/studies/
     overrides: tuple[str, ...] = ()
     group: str = ""  # rows of the same group are compared (an environment, a setting)
+    # The teacher built in stages, each a list of overrides of the recipe's teacher.bootstrap whose SFT
+    # goes on from the previous stage's model (bootstrap.init) in the first stage's tokenizer; the run
+    # gets the last stage as its teacher and stage ``student_stage`` (when set) as its student.
+    teacher_stages: tuple[tuple[str, ...], ...] = ()
+    student_stage: int | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,23 @@ CLINICAL_REASONING = ("teacher.bootstrap.think=plan", "teacher.bootstrap.history
 REVERSE_KL = ("supervision.scoring=sampled", "losses=[{name: reverse_kl, args: {clip_ratio: 0.2}}]",
               "trainer.learning_rate=0.0005")
 
+# ALFWorld as docs/results.md's ALFWorld section built it: generated games, no admissible list, the
+# training rooms furnished anew in every game (vary_train_rooms), 10% exploring turns in the SFT
+# episodes. Its teacher is a tiny Qwen3 (4 layers of 256) SFT on the search expert in three stages:
+# t4 (960 episodes, 500 steps; 6% of the 48 held-out games), t5 (1,920 episodes, 750 more steps;
+# 25%), t6 (the same games with other exploring turns, 750 more; 29%). t6 teaches t4. About 2 h of
+# CPU to build here, then found in the bootstrap cache.
+ALFWORLD_VARIED = ("env.kwargs.show_admissible=false", "env.kwargs.n_train_tasks=3600", "env.kwargs.vary_train_rooms=true")
+ALFWORLD_STAGES = (
+    ("teacher.bootstrap.explore_prob=0.1", "teacher.bootstrap.arch.hidden_size=256", "teacher.bootstrap.arch.num_layers=4",
+     "teacher.bootstrap.arch.num_heads=4", "teacher.bootstrap.arch.intermediate_size=768",
+     "teacher.bootstrap.n_episodes=960", "teacher.bootstrap.sft_steps=500", "teacher.bootstrap.learning_rate=1e-3"),
+    ("teacher.bootstrap.explore_prob=0.1", "teacher.bootstrap.n_episodes=1920", "teacher.bootstrap.sft_steps=750",
+     "teacher.bootstrap.learning_rate=5e-4"),
+    ("teacher.bootstrap.explore_prob=0.1", "teacher.bootstrap.n_episodes=1920", "teacher.bootstrap.sft_steps=750",
+     "teacher.bootstrap.learning_rate=3e-4", "teacher.bootstrap.seed=1"),
+)
+
 STUDIES: dict[str, Study] = {s.name: s for s in (
     Study(
         name="teachers",
@@ -97,6 +119,8 @@ STUDIES: dict[str, Study] = {s.name: s for s in (
             Arm("OPD", "sql_opd.yaml", group="SQL"),
             Arm("OPD", "clinical_opd.yaml", group="clinical diagnostic"),
             Arm("OPD", "alfworld_opd.yaml", group="ALFWorld (generated, admissible commands shown)"),
+            Arm("OPD", "alfworld_opd.yaml", ALFWORLD_VARIED, group="ALFWorld (generated, rooms varied, no admissible list)",
+                teacher_stages=ALFWORLD_STAGES, student_stage=0),
         ),
         figures=("return",),
     ),
@@ -182,11 +206,12 @@ def run_arm(study: Study, arm: Arm, seed: int, out: Path, steps: int | None, ext
         # A run that finished with fewer steps than asked now (a recipe's total_steps raised) goes on
         # from its last checkpoint (opd train --resume: the run an uninterrupted one would have been).
         resume = done_steps is not None
-        cmd = [str(ROOT / ".venv" / "bin" / "opd"), "train", str(STUDIES_DIR / arm.recipe), *overrides,
-               *(["--resume"] if resume else [])]
         print(f"[{time.strftime('%H:%M:%S')}] {arm.group} / {arm.label}, seed {seed}"
               + (f" (from step {done_steps} to {wanted})" if resume else ""), flush=True)
         start, cpu = time.perf_counter(), machine_cpu_s()
+        models = staged_models(arm, extra) if arm.teacher_stages else []
+        cmd = [str(ROOT / ".venv" / "bin" / "opd"), "train", str(STUDIES_DIR / arm.recipe), *overrides, *models,
+               *(["--resume"] if resume else [])]
         log = out / f"{run_dir.name}.log"
         with log.open("a" if resume else "w") as f:
             done = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -199,6 +224,27 @@ def run_arm(study: Study, arm: Arm, seed: int, out: Path, steps: int | None, ext
     if study.grid:
         grid_of(run_dir, out)
     return read_run(arm, seed, run_dir)
+
+
+def staged_models(arm: Arm, extra: list[str] = ()) -> list[str]:
+    """Build (or find in the bootstrap cache) the models of ``arm.teacher_stages`` in turn (with the
+    arm's and the command line's overrides, so they see the run's environment), and
+    return the overrides that make the last one the run's teacher and ``arm.student_stage`` its
+    student. Each stage's cache key names the previous stage's directory, so a stage is rebuilt
+    whenever one before it is."""
+    from opd.provisioning import resolve_model_path
+
+    dirs: list[str] = []
+    for i, stage in enumerate(arm.teacher_stages):
+        chain = (f"teacher.bootstrap.init={dirs[-1]}", f"teacher.bootstrap.tokenizer={dirs[0]}") if dirs else ()
+        cfg = load_config(STUDIES_DIR / arm.recipe, [*arm.overrides, *extra, *stage, *chain])
+        print(f"    teacher stage {i + 1} of {len(arm.teacher_stages)}", flush=True)
+        dirs.append(resolve_model_path(cfg.teacher, cfg.env, 0, lambda msg: print(f"      {msg}", flush=True)))
+    models = [f"teacher.path={dirs[-1]}", "teacher.bootstrap=null"]
+    if arm.student_stage is not None:
+        models += [f"student.path={dirs[arm.student_stage]}", "student.bootstrap=null"]
+    print(f"    {' '.join(models)}", flush=True)
+    return models
 
 
 def grid_of(run_dir: Path, out: Path) -> None:

@@ -41,6 +41,8 @@ def test_every_arm_binds(study, arm):
                 assert {k: OmegaConf.to_container(section)[k] for k in entries} == entries
         elif isinstance(node, float):
             assert node == float(value)
+        elif isinstance(node, bool):
+            assert node is yaml.safe_load(value)
         else:
             assert str(node) == value
 
@@ -209,3 +211,32 @@ def test_better_of_differing_states_pools_the_seeds_by_their_state_counts():
     records[1]["grid"]["compare"]["all"] = {"better": 0.1, "equal": 0.0, "worse": 0.9, "n": 30}
     row = next(line for line in fidelity.grid_tables(records) if line.startswith("| G | all |"))
     assert row.endswith("| 15% |")  # (2 + 3) of (2 + 3) + (2 + 27): 5 of 34
+
+
+def test_a_staged_teacher_goes_on_from_each_stage_and_teaches_the_chosen_stage(monkeypatch, tmp_path):
+    """ALFWorld's teacher is three SFT stages: each stage binds with the arm's overrides, starts from
+    the stage before (bootstrap.init) in the first stage's tokenizer, and the run gets the last stage
+    as teacher and ``student_stage`` as student. The builds stand in for minutes of SFT."""
+    arm = next(a for a in fidelity.STUDIES["teachers"].arms if a.teacher_stages)
+    built = []
+
+    def build(model_cfg, env_cfg, seed, log):
+        boot = model_cfg.bootstrap
+        built.append((boot.init, boot.tokenizer, boot.n_episodes, boot.sft_steps, boot.learning_rate, boot.seed,
+                      dict(env_cfg.kwargs)))
+        directory = tmp_path / f"stage{len(built)}"
+        directory.mkdir()
+        for name in ("tokenizer.json", "config.json"):
+            (directory / name).write_text("{}")
+        return str(directory)
+
+    monkeypatch.setattr("opd.provisioning.resolve_model_path", build)
+    models = fidelity.staged_models(arm, ["env.kwargs.max_turns=20"])
+    stage1, stage2, stage3 = (str(tmp_path / f"stage{i}") for i in (1, 2, 3))
+    assert [b[:6] for b in built] == [("", "", 960, 500, 1e-3, 0), (stage1, stage1, 1920, 750, 5e-4, 0),
+                                      (stage2, stage1, 1920, 750, 3e-4, 1)]
+    assert all(b[6]["vary_train_rooms"] is True and b[6]["show_admissible"] is False and b[6]["max_turns"] == 20
+               for b in built)
+    assert models == [f"teacher.path={stage3}", "teacher.bootstrap=null", f"student.path={stage1}", "student.bootstrap=null"]
+    cfg = load_config(fidelity.STUDIES_DIR / arm.recipe, [*arm.overrides, *models])
+    assert (cfg.teacher.path, cfg.teacher.bootstrap, cfg.student.path) == (stage3, None, stage1)
