@@ -226,7 +226,7 @@ def run_arm(study: Study, arm: Arm, seed: int, out: Path, steps: int | None, ext
     return read_run(arm, seed, run_dir)
 
 
-def staged_models(arm: Arm, extra: list[str] = ()) -> list[str]:
+def staged_models(arm: Arm, extra: list[str] | None = None) -> list[str]:
     """Build (or find in the bootstrap cache) the models of ``arm.teacher_stages`` in turn (with the
     arm's and the command line's overrides, so they see the run's environment), and
     return the overrides that make the last one the run's teacher and ``arm.student_stage`` its
@@ -237,7 +237,7 @@ def staged_models(arm: Arm, extra: list[str] = ()) -> list[str]:
     dirs: list[str] = []
     for i, stage in enumerate(arm.teacher_stages):
         chain = (f"teacher.bootstrap.init={dirs[-1]}", f"teacher.bootstrap.tokenizer={dirs[0]}") if dirs else ()
-        cfg = load_config(STUDIES_DIR / arm.recipe, [*arm.overrides, *extra, *stage, *chain])
+        cfg = load_config(STUDIES_DIR / arm.recipe, [*arm.overrides, *(extra or ()), *stage, *chain])
         print(f"    teacher stage {i + 1} of {len(arm.teacher_stages)}", flush=True)
         dirs.append(resolve_model_path(cfg.teacher, cfg.env, 0, lambda msg: print(f"      {msg}", flush=True)))
     models = [f"teacher.path={dirs[-1]}", "teacher.bootstrap=null"]
