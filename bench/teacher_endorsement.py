@@ -6,7 +6,7 @@ Every turn of the run's ``trajectories/train_step_N.parquet`` (the student's sam
 the teacher's logprob of each response token) falls in one kind: it repeats the turn before's
 action, or it is the environment's expert action (where the env names one), another valid action,
 or an invalid one. Per kind: turns, the mean probability of the whole response under the teacher and
-under the student that sampled it, and the share of turns where the teacher's is the higher, which
+under the student that sampled it (at the rollout's temperature, as the run logged it), and the share of turns where the teacher's is the higher, which
 is where on-policy distillation pushes that response up. A teacher that gives the student's
 repeats and invalid actions as much as the student does teaches them. Then, per held-out evaluation
 (``eval_{student,teacher}_step_N``, greedy), the share of the turns that repeat the turn before's
