@@ -23,11 +23,20 @@ from pathlib import Path
 KINDS = ("repeats the last action", "the expert's action", "another valid action", "invalid action")
 
 
-def kind_of(turn: dict, previous: str | None) -> str:
-    action = str(turn["action"]).strip()
-    if action == previous:
+def turns_of(episodes: list[dict]):
+    """Every turn of ``episodes``, each with whether its action repeats the turn before's."""
+    for episode in episodes:
+        previous = None
+        for turn in episode["turns"]:
+            action = str(turn["action"]).strip()
+            yield turn, action == previous
+            previous = action
+
+
+def kind_of(turn: dict, repeated: bool) -> str:
+    if repeated:
         return KINDS[0]
-    if turn.get("expert_action") and action == str(turn["expert_action"]).strip():
+    if turn.get("expert_action") and str(turn["action"]).strip() == str(turn["expert_action"]).strip():
         return KINDS[1]
     return KINDS[2] if turn["valid_action"] else KINDS[3]
 
@@ -36,20 +45,16 @@ def endorsement(episodes: list[dict]) -> dict[str, dict[str, float]]:
     """Per kind: ``turns``, ``teacher`` and ``student`` (mean probability of the response) and
     ``teacher_higher`` (share of turns where the teacher's logprob of the response is the higher)."""
     sums = {k: {"turns": 0, "teacher": 0.0, "student": 0.0, "teacher_higher": 0} for k in KINDS}
-    for episode in episodes:
-        previous = None
-        for turn in episode["turns"]:
-            teacher, student = turn.get("teacher_logprobs"), turn.get("behaviour_logprobs")
-            if teacher is None or not len(teacher):
-                previous = str(turn["action"]).strip()
-                continue
-            row = sums[kind_of(turn, previous)]
-            t, s = float(sum(teacher)), float(sum(student))
-            row["turns"] += 1
-            row["teacher"] += math.exp(t)
-            row["student"] += math.exp(s)
-            row["teacher_higher"] += t > s
-            previous = str(turn["action"]).strip()
+    for turn, repeated in turns_of(episodes):
+        teacher, student = turn.get("teacher_logprobs"), turn.get("behaviour_logprobs")
+        if teacher is None or not len(teacher):  # unscored; it still counts as the next turn's previous one
+            continue
+        row = sums[kind_of(turn, repeated)]
+        t, s = float(sum(teacher)), float(sum(student))
+        row["turns"] += 1
+        row["teacher"] += math.exp(t)
+        row["student"] += math.exp(s)
+        row["teacher_higher"] += t > s
     return {k: {"turns": v["turns"], **{m: v[m] / v["turns"] for m in ("teacher", "student", "teacher_higher")}}
             for k, v in sums.items() if v["turns"]}
 
@@ -58,14 +63,10 @@ def repeat_share(episodes: list[dict]) -> tuple[float, float, int]:
     """Of all turns of ``episodes``: the share that repeat the turn before's action, the share of
     valid actions, and the number of turns."""
     turns = repeats = valid = 0
-    for episode in episodes:
-        previous = None
-        for turn in episode["turns"]:
-            action = str(turn["action"]).strip()
-            turns += 1
-            repeats += action == previous
-            valid += bool(turn["valid_action"])
-            previous = action
+    for turn, repeated in turns_of(episodes):
+        turns += 1
+        repeats += repeated
+        valid += bool(turn["valid_action"])
     return (repeats / turns, valid / turns, turns) if turns else (math.nan, math.nan, 0)
 
 
