@@ -441,6 +441,10 @@ def _validate_model(model: Any, role: str, source: str) -> None:
         if model.bootstrap.init_layers and not init:
             raise ConfigError(f"{source}: key '{role}.bootstrap.init_layers' is {model.bootstrap.init_layers}; it cuts "
                               f"the '{role}.bootstrap.init' model to its first N blocks: set init, or leave it at 0.")
+        if model.bootstrap.dagger_episodes and not init:
+            raise ConfigError(f"{source}: key '{role}.bootstrap.dagger_episodes' is {model.bootstrap.dagger_episodes}; "
+                              f"those episodes are played by the '{role}.bootstrap.init' model (the expert labels its "
+                              "turns): set init to a model directory, or leave it at 0.")
         return
     if not model.path:
         raise ConfigError(

@@ -37,6 +37,12 @@ So does ``init``'s: with ``init: smollm2`` (or a model directory) the SFT starts
 model, optionally cut to its first ``init_layers`` blocks (:func:`initial_model`), instead of a
 tiny Qwen3 from scratch.
 
+``dagger_episodes: N`` (with ``init``) is a round of DAgger: the init model plays the N train games
+after the expert's (at ``dagger_temperature``), and each turn it played becomes a row whose
+context is its own episode and whose target is the env's expert action in the state it reached
+(:func:`dagger_rows`). Imitating only the expert's episodes, a policy never sees the states its
+own mistakes lead to, and loops in them; these rows show it what to do there.
+
 A build reports its stages (the tokenizer's corpus, the scripted episodes, the SFT steps with
 their loss) through ``log`` (:class:`StageProgress`): a progress bar when ``log`` is a rich
 console's ``log`` on a terminal, otherwise a line at every tenth of a stage (at most one every
@@ -61,7 +67,7 @@ import torch
 from omegaconf import OmegaConf
 
 from environments.base import TextEnv
-from opd.chat import ChatFormat, action_only_prompt_ids, standard_prompt_ids, student_sequence
+from opd.chat import ChatFormat, action_only_prompt_ids, render_context, standard_prompt_ids, student_sequence
 from opd.envs import EnvFactory
 from opd.losses import sft as sft_loss
 from opd.models import (load_model, load_tokenizer, save_directory_atomically, save_model, smollm2_model_dir,
@@ -414,6 +420,7 @@ def bootstrap_key(boot: Any, env_cfg: Any, seed: int) -> str:
                 and not (k == "think" and not v) and not (k == "action_only_prob" and not v)
                 and not (k == "hint_prob" and not v) and not (k == "history" and v == "full")
                 and not (k in ("init", "init_layers") and not v)
+                and not (k in ("dagger_episodes", "dagger_temperature") and not boot.dagger_episodes)
                 and k != "seed"}  # the seed is the argument
     if boot.action_only_prob:
         settings["actfirst_layouts"] = 2  # the standard prompt joined the layouts: new targets, new key
@@ -483,13 +490,79 @@ def _build(boot: Any, env_cfg: Any, seed: int, log: Callable[[str], None], cache
             progress.advance(i + 1)
         env.close()
         progress.finish(f"{len(rows)} SFT sequences")
-    model = initial_model(boot, tokenizer, seed).train()
+    model = initial_model(boot, tokenizer, seed)
+    if boot.dagger_episodes:  # the init model plays the next games; the expert labels its turns
+        following = [tasks[(boot.n_episodes + i) % len(tasks)] for i in range(boot.dagger_episodes)]
+        rows += dagger_rows(model, following, env_cfg, tokenizer, fmt, boot, seed, log)
+    model.train()
+    dagger = f" and {boot.dagger_episodes} DAgger episodes" if boot.dagger_episodes else ""
     log(f"bootstrap: SFT of a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter model on "
-        f"{boot.n_episodes} {boot.policy} episodes ({len(rows)} sequences) for {boot.sft_steps} steps")
+        f"{boot.n_episodes} {boot.policy} episodes{dagger} ({len(rows)} sequences) for {boot.sft_steps} steps")
     with fixed_threads(BOOTSTRAP_THREADS):  # the same weights on any machine (see BOOTSTRAP_THREADS)
         sft(model, rows, fmt.pad_id, boot, seed, log)
     with _no_progress_bars():
         save_directory_atomically(directory, lambda d: save_model(model.eval(), tokenizer, d))
+
+
+DAGGER_CHUNK = 16  # episodes played together (one batched generate a turn, their envs alive at once)
+
+
+def dagger_rows(model, tasks: list[str], env_cfg: Any, tokenizer, fmt: ChatFormat, boot: Any, seed: int,
+                log: Callable[[str], None]) -> list[dict[str, list]]:
+    """DAgger's rows: ``model`` plays one episode per task (at ``boot.dagger_temperature``), and
+    every turn whose state the env's expert can act in becomes a row: the episode as the model
+    played it up to that turn's prompt, and the expert's action as the target.
+
+    Imitating the expert's own episodes teaches the states the expert reaches; a policy that
+    errs then stands in states the expert never showed it (a receptacle that is not there, an
+    action that did nothing) and repeats itself. Here it learns what to do from its own."""
+    from opd.generation.hf import HFEngine
+    from opd.rollout.vanilla import EpisodeSettings, run_episodes
+
+    think = boot.think
+    settings = EpisodeSettings(max_new_tokens=512 if think else 64, temperature=boot.dagger_temperature,
+                               max_context_tokens=int(getattr(model.config, "max_position_embeddings", 4096)),
+                               env_isolation="inprocess")
+    engine = HFEngine(model, pad_id=fmt.pad_id)
+    factory = EnvFactory(env_cfg.id, dict(_plain(env_cfg.kwargs)), env_cfg.module)
+    state_of = env_state_of(env_cfg)
+    rows: list[dict[str, list]] = []
+    labelled = solved = 0
+    with StageProgress(log, "DAgger episode", len(tasks)) as progress:
+        for first in range(0, len(tasks), DAGGER_CHUNK):
+            chunk = tasks[first:first + DAGGER_CHUNK]
+            for traj in run_episodes(engine, factory, chunk, tokenizer, fmt, settings, seed, first_index=first):
+                solved += traj.success
+                new = expert_labelled_rows(traj, tokenizer, fmt, think, state_of)
+                labelled += len(new)
+                rows += new
+            progress.advance(first + len(chunk), f"{solved} solved")
+        if labelled == 0:
+            raise ValueError(f"key 'bootstrap.dagger_episodes': env {env_cfg.id!r} named no expert action in any state "
+                             "its init model reached; DAgger needs an env with an expert (info['expert_action']).")
+        progress.finish(f"{solved} of {len(tasks)} solved by the init model, {labelled} turns labelled by the expert")
+    return rows
+
+
+def expert_labelled_rows(traj: Trajectory, tokenizer, fmt: ChatFormat, think: str = "",
+                         state_of: StateOf = TextEnv.state_line) -> list[dict[str, list]]:
+    """One row per turn of ``traj`` whose state has an expert action: the context the policy
+    acted in (its own earlier responses shown, as it saw them) and the expert's action as the
+    target (with ``think``, after its plan). Turn t's state is the one the reset (t = 0) or
+    step t - 1 returned."""
+    rows = []
+    observations = [traj.initial_observation, *(turn.observation for turn in traj.turns)]
+    for t, info in enumerate(traj.state_infos()):
+        label = str(info.get("expert_action") or "")
+        if not label:
+            continue
+        context = render_context(traj, t, "full", fmt)
+        target, _ = _response_ids(observations[t], label, tokenizer, fmt, think, state_of)
+        ids = context + target
+        rows.append({"input_ids": ids, "attention_mask": [1] * len(ids),
+                     "loss_mask": [0.0] * len(context) + [1.0] * len(target),
+                     "behaviour_logprobs": [0.0] * len(ids), "turn_index": [-1] * len(context) + [t] * len(target)})
+    return rows
 
 
 def initial_model(boot: Any, tokenizer, seed: int):

@@ -68,6 +68,9 @@ class BootstrapConfig:
     # the view a state-grounded teacher scores in | both: each episode in both layouts (a teacher
     # at home in either view, to compare the views with one teacher)
     hint_prob: float = 0.0  # share of turns also trained with PivotOPD's hint line (the self-teacher reads hints)
+    dagger_episodes: int = 0  # with init: also this many episodes played by the init model on the next train
+    # games, every turn labelled with the env's expert action in the state the model reached (DAgger)
+    dagger_temperature: float = 1.0  # the init model's sampling temperature in those episodes (0: greedy)
     seed: Optional[int] = None  # model seed; None: run.seed (teacher) / run.seed + 1 (student)
     cache_dir: str = "~/.cache/opd/bootstrap"  # where built models are kept between runs
 
@@ -305,7 +308,8 @@ BOUNDS: dict[type, dict[str, Bound]] = {
                       "batch_size": Bound(1, 65_536), "learning_rate": Bound(0, 1, low_strict=True),
                       "tokenizer_vocab_size": Bound(256, 1 << 20), "corpus_episodes": _COUNT,
                       "action_only_prob": _PROB, "hint_prob": _PROB, "seed": _SEED,
-                      "init_layers": Bound(0, 10_000)},
+                      "init_layers": Bound(0, 10_000), "dagger_episodes": Bound(0, 10**7),
+                      "dagger_temperature": Bound(0, 100)},
     ModelConfig: {"prefix_cache_mb": Bound(0, 10**7), "tensor_parallel_size": Bound(1, 1_024)},
     EnvConfig: {"timeout_s": Bound(0, 86_400, low_strict=True), "memory_limit_mb": Bound(0, 10**8),
                 "cpu_time_limit_s": Bound(0, 86_400)},

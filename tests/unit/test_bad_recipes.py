@@ -96,6 +96,7 @@ OVERRIDES = [
     (["teacher.bootstrap.init=/no/such/model", "teacher.bootstrap.tokenizer=smollm2"],
      "key 'teacher.bootstrap.init' is '/no/such/model'; expected \"\" (a tiny model from scratch), \"smollm2\""),
     (["teacher.bootstrap.init_layers=4"], "key 'teacher.bootstrap.init_layers' is 4; it cuts the 'teacher.bootstrap.init'"),
+    (["teacher.bootstrap.dagger_episodes=8"], "key 'teacher.bootstrap.dagger_episodes' is 8; those episodes are played by"),
     (["pivot.recovery_turns=-1"], "key 'pivot.recovery_turns' is -1; expected 0 <= value"),
     (["actfirst.action_max_new_tokens=0"], "key 'actfirst.action_max_new_tokens' is 0"),
     (["algorithm=ppo"], "key 'algorithm' is 'ppo'; expected one of"),
