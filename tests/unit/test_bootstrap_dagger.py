@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from opd import provisioning as bootstrap
 from opd.chat import ChatFormat, student_sequence
 from opd.envs import EnvFactory
+from opd.generation.hf import HFEngine
 from opd.models import load_model, load_tokenizer
 from opd.rollout.vanilla import EpisodeSettings, run_episodes
 from opd.schema import BootstrapConfig, EnvConfig
@@ -35,8 +36,9 @@ def test_every_turn_the_model_played_is_labelled_with_the_experts_action_in_the_
     fmt = ChatFormat.from_tokenizer(tokenizer)
     factory = EnvFactory(env_cfg.id, dict(ENV))
     tasks = factory().unwrapped.task_ids("train")[:6]
-    trajs = run_episodes(_engine(base, fmt), factory,
-                         tasks, tokenizer, fmt, EpisodeSettings(max_new_tokens=8, env_isolation="inprocess"), seed=0)
+    engine = HFEngine(load_model(base), pad_id=fmt.pad_id)
+    trajs = run_episodes(engine, factory, tasks, tokenizer, fmt, EpisodeSettings(max_new_tokens=8, env_isolation="inprocess"),
+                         seed=0)
     labelled = off_path = 0
     for traj in trajs:
         rows = bootstrap.expert_labelled_rows(traj, tokenizer, fmt)
@@ -55,12 +57,6 @@ def test_every_turn_the_model_played_is_labelled_with_the_experts_action_in_the_
             labelled += 1
             _, _, _, _, info = replay.step(turn.action_text)
     assert labelled > 10 and off_path > 0  # the rows label states off the expert's path too
-
-
-def _engine(path: str, fmt: ChatFormat):
-    from opd.generation.hf import HFEngine
-
-    return HFEngine(load_model(path), pad_id=fmt.pad_id)
 
 
 def test_a_dagger_build_plays_the_init_model_and_names_it_in_the_key(tmp_path):
