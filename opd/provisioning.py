@@ -523,7 +523,7 @@ def dagger_rows(model, tasks: list[str], env_cfg: Any, tokenizer, fmt: ChatForma
     settings = EpisodeSettings(max_new_tokens=512 if think else 64, temperature=boot.dagger_temperature,
                                max_context_tokens=int(getattr(model.config, "max_position_embeddings", 4096)),
                                env_isolation="inprocess")
-    engine = HFEngine(model, pad_id=fmt.pad_id)
+    engine = HFEngine(model, pad_id=fmt.pad_id, device=str(next(model.parameters()).device))  # the SFT's device
     factory = EnvFactory(env_cfg.id, dict(_plain(env_cfg.kwargs)), env_cfg.module)
     state_of = env_state_of(env_cfg)
     rows: list[dict[str, list]] = []
@@ -536,10 +536,10 @@ def dagger_rows(model, tasks: list[str], env_cfg: Any, tokenizer, fmt: ChatForma
                 new = expert_labelled_rows(traj, tokenizer, fmt, think, state_of)
                 labelled += len(new)
                 rows += new
+            if labelled == 0:  # after the first chunk: no expert here, so no use playing on
+                raise ValueError(f"key 'bootstrap.dagger_episodes': env {env_cfg.id!r} named no expert action in any "
+                                 "state its init model reached; DAgger needs an env with an expert (info['expert_action']).")
             progress.advance(first + len(chunk), f"{solved} solved")
-        if labelled == 0:
-            raise ValueError(f"key 'bootstrap.dagger_episodes': env {env_cfg.id!r} named no expert action in any state "
-                             "its init model reached; DAgger needs an env with an expert (info['expert_action']).")
         progress.finish(f"{solved} of {len(tasks)} solved by the init model, {labelled} turns labelled by the expert")
     return rows
 

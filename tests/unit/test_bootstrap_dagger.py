@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from omegaconf import OmegaConf
 
 from opd import provisioning as bootstrap
@@ -59,7 +60,7 @@ def test_every_turn_the_model_played_is_labelled_with_the_experts_action_in_the_
     assert labelled > 10 and off_path > 0  # the rows label states off the expert's path too
 
 
-def test_a_dagger_build_plays_the_init_model_and_names_it_in_the_key(tmp_path):
+def test_a_dagger_build_plays_the_init_model_and_names_it_in_the_key(tmp_path, monkeypatch):
     env_cfg = OmegaConf.structured(EnvConfig(id="opd/FrozenLakeText-v0", kwargs=ENV))
     base = bootstrap.build_bootstrap_model(_boot(tmp_path, n_episodes=8), env_cfg, seed=0, log=lambda _: None)
     plain = _boot(tmp_path, n_episodes=8, init=base, tokenizer=base)
@@ -80,3 +81,13 @@ def test_a_dagger_build_plays_the_init_model_and_names_it_in_the_key(tmp_path):
     # 8 expert episodes' rows, then one row per labelled turn (at least one a game).
     assert any(f"on 8 expert episodes and 6 DAgger episodes ({8 + turns} sequences)" in line for line in lines), lines
     assert turns >= 6
+
+    # An env whose expert names no action (stood in for by dropping every label) stops the build
+    # after its first chunk of episodes, naming the key.
+    monkeypatch.setattr(bootstrap, "expert_labelled_rows", lambda *args, **kwargs: [])
+    monkeypatch.setattr(bootstrap, "PROGRESS_MIN_INTERVAL_S", 0.0)  # a line at every tenth, had it gone on
+    played: list[str] = []
+    with pytest.raises(ValueError, match=r"key 'bootstrap.dagger_episodes': env 'opd/FrozenLakeText-v0' named no expert"):
+        bootstrap.build_bootstrap_model(_boot(tmp_path, n_episodes=8, init=base, tokenizer=base, dagger_episodes=40),
+                                        env_cfg, seed=0, log=played.append)
+    assert not any("DAgger episode" in line and "/40" in line for line in played)  # stopped before a tenth's line
