@@ -356,6 +356,13 @@ def _sft_row(steps: list[tuple[str, str, bool]], task: str, tokenizer, fmt: Chat
     return row
 
 
+def _target_row(prompt: list[int], target: list[int], turn: int) -> dict[str, list]:
+    """A row of one turn: ``prompt`` as context, the loss on ``target`` (turn ``turn``'s response)."""
+    ids = prompt + target
+    return {"input_ids": ids, "attention_mask": [1] * len(ids), "loss_mask": [0.0] * len(prompt) + [1.0] * len(target),
+            "behaviour_logprobs": [0.0] * len(ids), "turn_index": [-1] * len(prompt) + [turn] * len(target)}
+
+
 def _actfirst_rows(steps: list[tuple[str, str, bool]], tokenizer, fmt: ChatFormat, prob: float, think: str,
                    rng: random.Random, state_of: StateOf = TextEnv.state_line) -> list[dict[str, list]]:
     """Rows in ActFirst's layouts for a share ``prob`` of the turns of one episode.
@@ -386,10 +393,7 @@ def _actfirst_rows(steps: list[tuple[str, str, bool]], tokenizer, fmt: ChatForma
                 reference_next = steps[k + 1][0] if layout == "reference" else None
                 prompt = history + action_only_prompt_ids(fmt, tokenizer, obs, reference_next)
                 target = action_ids + [fmt.im_end_id]
-            ids = prompt + target
-            rows.append({"input_ids": ids, "attention_mask": [1] * len(ids),
-                         "loss_mask": [0.0] * len(prompt) + [1.0] * len(target),
-                         "behaviour_logprobs": [0.0] * len(ids), "turn_index": [-1] * len(prompt) + [k] * len(target)})
+            rows.append(_target_row(prompt, target, k))
         history = history + standard + action_ids + [fmt.im_end_id, *fmt.newline_ids]
     return rows
 
@@ -558,10 +562,7 @@ def expert_labelled_rows(traj: Trajectory, tokenizer, fmt: ChatFormat, think: st
             continue
         context = render_context(traj, t, "full", fmt)
         target, _ = _response_ids(observations[t], label, tokenizer, fmt, think, state_of)
-        ids = context + target
-        rows.append({"input_ids": ids, "attention_mask": [1] * len(ids),
-                     "loss_mask": [0.0] * len(context) + [1.0] * len(target),
-                     "behaviour_logprobs": [0.0] * len(ids), "turn_index": [-1] * len(context) + [t] * len(target)})
+        rows.append(_target_row(context, target, t))
     return rows
 
 
