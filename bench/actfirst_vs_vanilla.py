@@ -36,8 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _steps(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "time/step_s" in r]
+    from opd.evaluation.run_dir import RunDir
+
+    return RunDir(run_dir).steps()
 
 
 def _mean(rows: list[dict], key: str) -> float:

@@ -33,6 +33,7 @@ def run(recipe: str, mode: int, run_dir: Path, steps: int, overrides: list[str],
     import ray
 
     from opd.config import load_config
+    from opd.evaluation.run_dir import RunDir
     from opd.runtime.driver import train
 
     cfg = load_config(recipe, [f"run.async_steps={mode}", f"run.output_dir={run_dir}", f"run.total_steps={steps}",
@@ -41,8 +42,7 @@ def run(recipe: str, mode: int, run_dir: Path, steps: int, overrides: list[str],
     summary = train(cfg, console=console)
     wall = time.perf_counter() - start
     ray.shutdown()  # the next run starts its own actors on a fresh local Ray
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"mode": mode, "steps": [r for r in rows if "time/step_s" in r], "summary": summary, "wall_s": wall}
+    return {"mode": mode, "steps": RunDir(run_dir).steps(), "summary": summary, "wall_s": wall}
 
 
 def main(argv: list[str] | None = None) -> dict:

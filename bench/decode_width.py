@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model = args.model
     if not model:
         from opd.config import load_config
-        from opd.provisioning import resolve_model_path
+        from opd.bootstrap import resolve_model_path
 
         cfg = load_config(args.recipe, list(args.overrides))
         model = resolve_model_path(cfg.student, cfg.env, cfg.run.seed + 1, print)

@@ -21,12 +21,14 @@ trains on them, each timed both ways on the same rows:
 
 Both sides give the same numbers; the benchmark checks that, then reports each speed-up as a
 ratio measured in this run (median of ``--repeats``; the fast-attention pairs interleaved), in
-``<out>/forwards.json`` and ``.md``.
+``<out>/forwards.json`` and ``.md``. The baseline of the second part, the one-mask forwards, lives
+here (:func:`one_mask_forwards`): the library has only the fast path.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -34,6 +36,36 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# Where the library calls its forwards: the baseline swaps them in every one of these modules.
+FORWARD_USERS = ("opd.generation.packed", "opd.generation.hf", "opd.training.trainer")
+
+
+@contextlib.contextmanager
+def one_mask_forwards(on: bool = True):
+    """Inside, the library's packed and causal forwards are the one-mask ones (the baseline): a
+    packed row with its ``[L, L]`` branch mask, a plain row with its padding mask."""
+    import importlib
+
+    from opd.generation.base import branch_attention_mask
+
+    def packed_forward(model, input_ids_BL, position_ids_BL, branch_BL, valid_BL):
+        device = input_ids_BL.device
+        mask_B1LL = branch_attention_mask(branch_BL.to(device), valid_BL.to(device))
+        return model(input_ids=input_ids_BL, attention_mask=mask_B1LL, position_ids=position_ids_BL.to(device)).logits
+
+    def causal_forward(model, input_ids_BL, valid_BL):
+        return model(input_ids=input_ids_BL, attention_mask=valid_BL.to(input_ids_BL.device).long()).logits
+
+    modules = [importlib.import_module(name) for name in FORWARD_USERS]
+    saved = [(m, m.packed_forward, m.causal_forward) for m in modules]
+    try:
+        if on:
+            for m in modules:
+                m.packed_forward, m.causal_forward = packed_forward, causal_forward
+        yield
+    finally:
+        for m, packed, causal in saved:
+            m.packed_forward, m.causal_forward = packed, causal
 
 
 def _median_time(fn, repeats: int) -> tuple[float, object]:
@@ -58,19 +90,19 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from omegaconf import OmegaConf
 
-    from opd import provisioning as bootstrap
     from opd.algorithms.actfirst_opd import build_episode_batch
     from opd.algorithms.step import build_token_batch
     from opd.chat import ChatFormat, student_sequence
     from opd.cli import _quiet_libraries
     from opd.config import load_config
     from opd.envs import EnvFactory
-    from opd.generation import make_engine, packed
-    from opd.models import load_tokenizer
-    from opd.provisioning import resolve_model_path
+    from opd.bootstrap import resolve_model_path
+    from opd.bootstrap import sft as bootstrap_sft
+    from opd.generation import make_engine
+    from opd.models import load_tokenizer, tiny_qwen3
     from opd.rollout.vanilla import EpisodeSettings, run_episodes
     from opd.supervision.teacher_view import score_trajectories
-    from opd.training.trainer import StudentTrainer
+    from opd.training.trainer import StudentTrainer, TrainerSpec
 
     _quiet_libraries()
     cfg = load_config(args.recipe, ["algorithm=vanilla_opd"])
@@ -78,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     teacher = resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, print)
     tokenizer = load_tokenizer(student)
     fmt = ChatFormat.from_tokenizer(tokenizer)
-    factory = EnvFactory(cfg.env.id, dict(cfg.env.kwargs), cfg.env.module)
+    factory = EnvFactory.of(cfg.env)
     probe = factory()
     tasks = probe.unwrapped.task_ids(cfg.env.train_split)[: args.episodes]
     probe.close()
@@ -100,8 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
     train = {}
     for cap in (0, args.batch_tokens):
         trainer_cfg = OmegaConf.merge(cfg.trainer, {"micro_batch_size": len(trajs), "micro_batch_tokens": cap})
-        trainer = StudentTrainer(trainer_cfg, terms, student, episodes_per_step=len(trajs),
-                                 temperature=cfg.rollout.temperature)
+        trainer = StudentTrainer(TrainerSpec(trainer_cfg, tuple(terms), student, episodes_per_step=len(trajs),
+                                             temperature=cfg.rollout.temperature))
         train[cap] = _median_time(lambda: trainer.train_step(batch), args.repeats)
     losses = [train[cap][1]["loss"] for cap in train]
     if abs(losses[0] - losses[1]) > 1e-4 * max(1.0, abs(losses[0])):
@@ -111,18 +143,18 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [student_sequence(t, fmt) for t in trajs]
     sft = {}
     for cap in (0, args.batch_tokens):
-        bootstrap.SFT_BATCH_TOKENS = cap
-        model = bootstrap.tiny_qwen3(tokenizer, cfg.student.bootstrap.arch, seed=0).train()
+        bootstrap_sft.SFT_BATCH_TOKENS = cap
+        model = tiny_qwen3(tokenizer, cfg.student.bootstrap.arch, seed=0).train()
         start = time.perf_counter()
-        bootstrap.sft(model, rows, fmt.pad_id, sft_boot, seed=0, log=lambda _: None)
+        bootstrap_sft.sft(model, rows, fmt.pad_id, sft_boot, seed=0, log=lambda _: None)
         sft[cap] = (time.perf_counter() - start) / args.repeats
 
     # Interleaved (one mask, split, one mask, ...) so that the machine's drift hits both sides alike.
     cap = args.batch_tokens
     packed_batch = build_episode_batch(trajs, score[cap][1], fmt.pad_id, fmt)
     trainer_cfg = OmegaConf.merge(cfg.trainer, {"micro_batch_size": len(trajs), "micro_batch_tokens": cap})
-    trainers = {split: StudentTrainer(trainer_cfg, terms, student, episodes_per_step=len(trajs),
-                                      temperature=cfg.rollout.temperature) for split in (False, True)}
+    spec = TrainerSpec(trainer_cfg, tuple(terms), student, episodes_per_step=len(trajs), temperature=cfg.rollout.temperature)
+    trainers = {split: StudentTrainer(spec) for split in (False, True)}
     # The two trainers take the same updates in the same order, so their losses stay comparable.
     jobs = {"score": lambda split: score_trajectories(teacher_engine, trajs, view, fmt, size, batch_tokens=cap),
             "train": lambda split: trainers[split].train_step(packed_batch),
@@ -132,12 +164,11 @@ def main(argv: list[str] | None = None) -> dict:
     for repeat in range(args.repeats + 1):  # the first round warms up
         for job, fn in jobs.items():
             for split in (False, True):
-                packed.FAST_ATTENTION = split
-                start = time.perf_counter()
-                split_out[job, split] = fn(split)
-                if repeat:
-                    split_times[job, split].append(time.perf_counter() - start)
-    packed.FAST_ATTENTION = True
+                with one_mask_forwards(on=not split):
+                    start = time.perf_counter()
+                    split_out[job, split] = fn(split)
+                    if repeat:
+                        split_times[job, split].append(time.perf_counter() - start)
     split_median = {key: statistics.median(times) for key, times in split_times.items()}
     split_gap = max(abs(x - y) for a, b in zip(split_out["score", False], split_out["score", True])
                     for x, y in zip(a.logprobs, b.logprobs))

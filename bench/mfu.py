@@ -13,8 +13,8 @@ responses that carry the loss, about ``--response-share`` of each row).
 The same trainer runs its step two ways, interleaved so that the machine's drift hits both alike:
 
 - ``before``: as the trainer ran before issue 22: the LM head and a log-softmax over the whole
-  vocabulary at every position (``[B, T, V]``, forward and backward;
-  ``opd.training.trainer.GATHER_LOGPROBS = False``), AdamW's per-op loop (``fused`` off in its
+  vocabulary at every position (``[B, T, V]``, forward and backward; the trainer's
+  ``gather_logprobs`` off, as for a recipe with a user's loss), AdamW's per-op loop (``fused`` off in its
   parameter groups) and DeepSpeed's gradient all-reduce over the single rank;
 - ``now``: as it runs now: the LM head and the log-softmax only at the positions the loss reads,
   the fused AdamW, no single-rank all-reduce.
@@ -68,9 +68,7 @@ MODES = {"before": False, "now": True}
 
 def set_mode(trainer, now: bool, allreduce_now: bool) -> None:
     """The trainer as it runs ``now`` or as it ran ``before`` (see the module docstring)."""
-    import opd.training.trainer as trainer_module
-
-    trainer_module.GATHER_LOGPROBS = now
+    trainer.gather_logprobs = now  # before: every position's log-softmax (what a user's loss still gets)
     trainer.engine.enable_backward_allreduce = allreduce_now if now else True
     for group in trainer.engine.optimizer.param_groups:
         group["fused"] = now
@@ -201,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     from opd.cli import _quiet_libraries
     from opd.models import load_tokenizer
     from opd.schema import TrainerConfig
-    from opd.training.trainer import StudentTrainer
+    from opd.training.trainer import StudentTrainer, TrainerSpec
 
     _quiet_libraries()
     out = Path(args.out)
@@ -213,8 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
     batch = build_token_batch(trajs, scores, fmt.pad_id, fmt)
     cfg = OmegaConf.structured(TrainerConfig(learning_rate=1e-12, micro_batch_size=args.rows))
     terms = [("reverse_kl", 1.0, {})]
-    trainer = StudentTrainer(cfg, terms, path, episodes_per_step=args.rows, dtype=args.dtype,
-                             torch_threads=args.threads)
+    trainer = StudentTrainer(TrainerSpec(cfg, tuple(terms), path, episodes_per_step=args.rows, dtype=args.dtype,
+                                         torch_threads=args.threads))
     threads = torch.get_num_threads()
     allreduce_now = trainer.engine.enable_backward_allreduce
     flops = {mode: step_flops(trainer.engine.module, batch, gathered, cfg.micro_batch_size, cfg.micro_batch_tokens)

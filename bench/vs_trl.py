@@ -45,16 +45,11 @@ Tokens are the trained completion tokens, padding excluded, end token included: 
 The headline is opd on Ray (``run.backend=ray``, what a user gets); ``local`` is opd in one
 process. Target: opd's step throughput at least 2x TRL's.
 
-What the losses optimise (``loss_agreement``, also ``tests/benchmarks/test_vs_trl_loss.py``): on
-one batch (the recipe's first step of prompts, the student's own samples through opd's rollout,
-the teacher's full distributions through opd's scoring) opd's ``reverse_kl`` (``estimator:
-full``, the trainer's own logprob path) and ``GKDTrainer.generalized_jsd_loss(beta=1.0)`` on the
-same rows, shifted as ``GKDTrainer.compute_loss`` shifts them. Both reduce to the mean over the
-batch's completion tokens of the exact per-token ``KL(pi_S || pi_T)``: opd's ``normalize: token``
-divides the sum by the batch's response tokens, TRL's ``batchmean`` with labels divides by the
-unmasked labels, the same tokens, so no factor is applied. Checked: the losses within 1e-4 and
-the student's gradients (reported), and, for the convention, ``beta=0.0`` against opd's
-``forward_kl``.
+What the losses optimise (:func:`opd.evaluation.trl_parity.loss_agreement`, also
+``tests/integration/test_vs_trl_loss.py``): on one batch (the recipe's first step of prompts) opd's
+exact ``reverse_kl`` and ``GKDTrainer.generalized_jsd_loss(beta=1.0)`` are the same per-token mean
+of ``KL(pi_S || pi_T)``. Checked before the timing: the losses within 1e-4 and the student's
+gradients (reported), and, for the convention, ``beta=0.0`` against opd's ``forward_kl``.
 
 Departure from TRL's defaults, and why: in training, ``Trainer`` hands ``compute_loss`` a
 ``num_items_in_batch`` counted on the *dataset's* labels (the reference answers, before on-policy
@@ -99,7 +94,7 @@ def shared_settings(recipe: str, overrides: list[str], steps: int, threads: int)
     from opd.algorithms.step import sample_tasks
     from opd.config import load_config
     from opd.envs import EnvFactory
-    from opd.provisioning import resolve_model_path
+    from opd.bootstrap import resolve_model_path
 
     cfg = load_config(recipe, [*SHARED_OVERRIDES, *overrides, f"run.total_steps={steps}",
                                f"resources.torch_threads={threads}"])
@@ -115,7 +110,7 @@ def shared_settings(recipe: str, overrides: list[str], steps: int, threads: int)
                          f"opd/PromptDataset-v0 (got {cfg.env.id!r}) and no rollout.system_prompt")
     student_path = resolve_model_path(cfg.student, cfg.env, cfg.run.seed + 1, print)  # the driver's seeds
     teacher_path = resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, print)
-    env_factory = EnvFactory(cfg.env.id, dict(cfg.env.kwargs), cfg.env.module)
+    env_factory = EnvFactory.of(cfg.env)
     env = env_factory()
     train_tasks = env.unwrapped.task_ids(cfg.env.train_split)
     step_tasks = [sample_tasks(train_tasks, cfg.rollout.episodes_per_step, cfg.run.seed, s, cfg.rollout.group_size)
@@ -257,13 +252,11 @@ def run_opd(recipe: str, overrides: list[str], steps: int, threads: int, backend
     command = [*opd, "train", recipe, *SHARED_OVERRIDES, *overrides, f"run.total_steps={steps}",
                f"resources.torch_threads={threads}", f"run.backend={backend}", f"run.output_dir={run_dir}"]
     _run(command, f"opd ({backend})")
-    rows = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if "time/step_s" in r:
-            rows.append({"step": r["step"], "step_s": r["time/step_s"], "tokens": int(r["train_tokens"]),
-                         "generation_s": r["time/generation_s"], "teacher_scoring_s": r["time/teacher_scoring_s"],
-                         "training_s": r["time/training_s"], "weight_sync_s": r["time/weight_sync_s"]})
+    from opd.evaluation.run_dir import RunDir
+
+    rows = [{"step": r["step"], "step_s": r["time/step_s"], "tokens": int(r["train_tokens"]),
+             "generation_s": r["time/generation_s"], "teacher_scoring_s": r["time/teacher_scoring_s"],
+             "training_s": r["time/training_s"], "weight_sync_s": r["time/weight_sync_s"]} for r in RunDir(run_dir).steps()]
     return {"rows": rows}
 
 
@@ -274,82 +267,6 @@ def _run(command: list[str], what: str) -> None:
 
 
 # -- the loss check -------------------------------------------------------------------------------
-def loss_agreement(student_path: str, teacher_path: str, env_factory, tasks: list[str], *, max_new_tokens: int,
-                   temperature: float = 1.0, teacher_view: str = "state_grounded", seed: int = 0) -> dict:
-    """opd's exact ``reverse_kl`` and TRL's ``generalized_jsd_loss(beta=1)`` on one batch.
-
-    The batch is built as a vanilla_opd step builds it: the student plays ``tasks`` through opd's
-    rollout (HF engine, in-process environments), the teacher scores every response token with
-    its full distribution, :func:`opd.algorithms.step.build_token_batch` makes the rows. opd's
-    loss takes the trainer's logprob path (:func:`opd.training.trainer.student_logprobs_at`);
-    TRL's takes plain forwards of both models on the same rows, labels ``-100`` off the response
-    tokens, shifted as ``GKDTrainer.compute_loss`` does. Both are per-token means over the
-    batch's response tokens (see the module docstring), compared without any factor.
-
-    Returns ``opd_loss``, ``trl_loss``, ``abs_diff``; the student's gradients' ``grad_max_abs_diff``
-    and ``grad_max_abs``; ``teacher_max_abs_diff`` (opd's scored teacher logprobs against TRL's
-    forward); the forward-KL pair at ``beta=0`` (``opd_forward_kl``, ``trl_beta0``); ``rows``,
-    ``tokens`` and ``row_tokens`` (each row's completion tokens: unequal ones tell a per-token
-    mean from a per-sequence one).
-    """
-    import torch
-
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # GKDTrainer lives in trl.experimental since 0.24
-    from trl.experimental.gkd import GKDTrainer
-
-    from opd.algorithms.step import build_token_batch
-    from opd.chat import ChatFormat
-    from opd.generation.hf import HFEngine
-    from opd.losses import combined_loss
-    from opd.models import load_model, load_tokenizer
-    from opd.rollout.vanilla import EpisodeSettings, run_episodes
-    from opd.supervision.teacher_view import score_trajectories
-    from opd.training.trainer import student_logprobs_at, trained_positions_BT
-
-    tokenizer = load_tokenizer(student_path)
-    fmt = ChatFormat.from_tokenizer(tokenizer)
-    student, teacher = load_model(student_path), load_model(teacher_path)
-    settings = EpisodeSettings(max_new_tokens=max_new_tokens, temperature=temperature, env_isolation="inprocess")
-    student_engine = HFEngine(student, fmt.pad_id, device="cpu")
-    trajs = run_episodes(student_engine, env_factory, tasks, tokenizer, fmt, settings, seed)
-    scores = score_trajectories(HFEngine(teacher, fmt.pad_id, device="cpu"), trajs, teacher_view, fmt, mode="full")
-    batch = build_token_batch(trajs, scores, fmt.pad_id, fmt).with_totals(micro_batches=1)
-    params = [p for p in student.parameters() if p.requires_grad]
-
-    def grads_of(loss: torch.Tensor) -> list[torch.Tensor]:
-        return [g if g is not None else torch.zeros_like(p) for g, p in zip(torch.autograd.grad(loss, params), params)]
-
-    # opd: the trainer's logprobs (LM head at the trained positions only), the recipe's loss term.
-    picked_BT, full_BTV = student_logprobs_at(student, batch, trained_positions_BT(batch), temperature, full_vocab=True)
-    scored = batch.with_student(picked_BT, full_BTV)
-    opd_loss, _ = combined_loss(scored, [("reverse_kl", 1.0, {"estimator": "full"})])
-    opd_forward, _ = combined_loss(scored, [("forward_kl", 1.0, {"estimator": "full"})])
-    opd_grads = grads_of(opd_loss)
-
-    # TRL: GKDTrainer.compute_loss's forwards and shift, labels -100 off the completion tokens.
-    labels_BT = torch.where(batch.loss_mask_BT > 0, batch.input_ids_BT, -100)
-    student_logits = student(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
-    with torch.no_grad():
-        teacher_logits = teacher(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
-    shifted = (student_logits[:, :-1], teacher_logits[:, :-1], labels_BT[:, 1:])
-    trl_loss = GKDTrainer.generalized_jsd_loss(*shifted, beta=1.0, temperature=temperature)
-    trl_beta0 = GKDTrainer.generalized_jsd_loss(*shifted, beta=0.0, temperature=temperature)
-    trl_grads = grads_of(trl_loss)
-
-    on_BT = batch.loss_mask_BT[:, 1:] > 0
-    teacher_trl_NV = torch.log_softmax(teacher_logits[:, :-1].float() / temperature, dim=-1)[on_BT]
-    return {
-        "rows": len(batch), "tokens": int(batch.loss_mask_BT.sum()),
-        "row_tokens": [int(n) for n in batch.loss_mask_BT.sum(1)],
-        "opd_loss": float(opd_loss.detach()), "trl_loss": float(trl_loss.detach()),
-        "abs_diff": abs(float(opd_loss.detach()) - float(trl_loss.detach())),
-        "grad_max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(opd_grads, trl_grads)),
-        "grad_max_abs": max(float(g.abs().max()) for g in opd_grads),
-        "teacher_max_abs_diff": float((batch.teacher_full_logprobs_BTV[:, 1:][on_BT] - teacher_trl_NV).abs().max()),
-        "opd_forward_kl": float(opd_forward.detach()), "trl_beta0": float(trl_beta0.detach()),
-    }
-
-
 # -- the report -----------------------------------------------------------------------------------
 def summarise(runs: list[dict], warmup: int) -> dict:
     """One framework's runs (one per round): medians over the steps after each run's warm-up."""
@@ -444,9 +361,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"models: student {spec['student_path']}, teacher {spec['teacher_path']}", flush=True)
     from opd.algorithms.step import step_seed
     from opd.envs import EnvFactory
+    from opd.evaluation.trl_parity import loss_agreement
 
-    check = loss_agreement(spec["student_path"], spec["teacher_path"],
-                           EnvFactory(cfg.env.id, dict(cfg.env.kwargs), cfg.env.module), spec["first_step_tasks"],
+    check = loss_agreement(spec["student_path"], spec["teacher_path"], EnvFactory.of(cfg.env), spec["first_step_tasks"],
                            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                            teacher_view=cfg.supervision.teacher_view, seed=step_seed(cfg, 1))
     print(f"loss check: opd {check['opd_loss']:.6f}, TRL {check['trl_loss']:.6f}, |diff| {check['abs_diff']:.2e}",

@@ -46,6 +46,10 @@ class TextEnv(gymnasium.Env):
         data_version: Version of the content the environment generates (its tasks, text and
             expert), bumped when that content changes. The CPU bootstrap puts it into the cache
             key of the models it trains on the expert, so a changed generator retrains them.
+        report_keys: Info keys of an episode's last step that the environment reports as
+            figures besides success (a score, a value, questions asked; a bool counts as a
+            share). Trajectories keep them, and the held-out evaluation averages each over the
+            episodes that report it (``eval/student_score``...).
         max_turns: Turn budget; a step that reaches it without ending the episode truncates.
         render_mode: None or "ansi"; ``render()`` returns the current text either way.
 
@@ -77,6 +81,7 @@ class TextEnv(gymnasium.Env):
     tokenizer_words: tuple[str, ...] = ()
     reward_kwargs: frozenset[str] = frozenset()
     data_version: str = ""
+    report_keys: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -170,7 +175,7 @@ class TextEnv(gymnasium.Env):
     @staticmethod
     def state_line(observation: str) -> str:
         """One line saying what ``observation`` tells about the state: the ``State:`` of a reasoning
-        target (``think: plan`` in the CPU bootstrap, :func:`opd.provisioning.plan_text`).
+        target (``think: plan`` in the CPU bootstrap, :func:`opd.bootstrap.rows.plan_text`).
 
         The default is the observation's last non-empty line, which suits an env that ends each
         observation with the state (FrozenLake's ``Around you: ...``). An env whose last line is

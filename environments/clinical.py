@@ -438,6 +438,9 @@ class ClinicalWorkupEnv(TextEnv):
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
     reward_kwargs = frozenset({"reward", "info_gain_coef"})  # the expert and the text do not depend on them
+    # A work-up's figures at its end: the decision's value, the questions asked, whether it committed
+    # early (a share) and its value on the high-risk cases (reported by those episodes only).
+    report_keys = ("value", "questions_asked", "premature_commitment", "high_risk_value")
 
     def __init__(
         self,

@@ -75,6 +75,8 @@ class TextWorldExpressTextEnv(TextEnv):
         render_mode: None or "ansi"; ``render()`` returns the current text either way.
     """
 
+    report_keys = ("score",)  # the engine's score at the episode's end (eval/<who>_score)
+
     def __init__(
         self,
         *,

@@ -172,8 +172,9 @@ def _command(args: argparse.Namespace, console: Any) -> int:
         return _verify(Path(args.run_dir), console)
     if args.command == "report":
         from opd.evaluation.html_report import write_html_report
+        from opd.evaluation.run_dir import RunDir
 
-        if not (Path(args.run_dir) / "metrics.jsonl").is_file():
+        if not RunDir(args.run_dir).is_run():
             raise ConfigError(f"{args.run_dir} is not a run directory (no metrics.jsonl)")
         out = write_html_report(Path(args.run_dir), Path(args.out) if args.out else None)
         console.print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KiB); open it in a browser, no network needed")
@@ -198,7 +199,7 @@ def _command(args: argparse.Namespace, console: Any) -> int:
         return 0
     if args.command == "references":
         from opd.rollout.references import build_references
-        from opd.runtime.actors import local_teacher_player
+        from opd.runtime.workers import local_teacher_player
 
         teacher = cfg.actfirst.reference_source == "teacher"
         build_references(cfg, log=console.log, teacher_play=local_teacher_player(cfg, console.log) if teacher else None)

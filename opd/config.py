@@ -312,7 +312,7 @@ def _check_output_dir(path: str, source: str) -> None:
                           f"({exc.strerror}); choose a directory you can write.") from None
 
 
-def validate(cfg: Any, source: str = "config") -> None:
+def validate(cfg: OPDConfig, source: str = "config") -> None:
     """Refuse a config that cannot run, before any work starts. Resolves what the recipe leaves
     to the run (``engine: auto``, ``run.eval_history: auto``), so ``config.yaml`` records what ran."""
     from opd.algorithms import ALGORITHMS, get_algorithm  # late imports: they import torch
@@ -377,7 +377,7 @@ def validate(cfg: Any, source: str = "config") -> None:
     _validate_env(cfg.env, source)
 
 
-def _validate_losses(cfg: Any, algorithm: Algorithm, source: str) -> None:
+def _validate_losses(cfg: OPDConfig, algorithm: Algorithm, source: str) -> None:
     """Every loss resolves, and the algorithm feeds what each one reads."""
     from opd.algorithms import ALGORITHMS, get_algorithm
     from opd.losses import loss_traits
@@ -541,7 +541,7 @@ def _validate_resources(res: Any, source: str) -> None:
             )
 
 
-def to_yaml(cfg: Any) -> str:
+def to_yaml(cfg: OPDConfig) -> str:
     """The resolved config as YAML, as written to ``config.yaml`` in the run directory."""
     return OmegaConf.to_yaml(cfg, resolve=True)
 

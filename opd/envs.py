@@ -14,8 +14,12 @@ Contract:
       disjoint (by content, not only by id) task lists; an unknown split raises ValueError.
     * A bad action is an observation saying so (plus a format penalty), never an exception.
     * Optional class attributes: ``tokenizer_words`` (the words actions are made of, seeded into
-      a tokenizer trained on the env's text by :mod:`opd.provisioning`) and a static
-      ``transition_matches(observation, reference)`` (ActFirst's ``transition_check: env``).
+      a tokenizer trained on the env's text by :mod:`opd.bootstrap`), ``report_keys`` (the info
+      keys of an episode's last step that the env reports as figures: a score, a value; kept in
+      the trajectories and averaged by the held-out evaluation, :func:`report_keys`),
+      ``reward_kwargs``, ``data_version``, ``max_turns`` (see :class:`environments.base.TextEnv`),
+      a static ``state_line(observation)`` and a static ``transition_matches(observation,
+      reference)`` (ActFirst's ``transition_check: env``).
 
 Environments live in the top-level ``environments`` package, whose import registers
 them all; a user's own environment is registered (``gymnasium.register``) by a module of theirs,
@@ -41,6 +45,8 @@ from typing import Any
 
 import gymnasium
 import numpy as np
+
+from opd.schema import EnvConfig
 
 ENVS_PACKAGE = "environments"  # importing it registers every opd environment
 ENV_NAMESPACE = "opd/"
@@ -149,6 +155,13 @@ def expert_action(info: Mapping[str, Any]) -> str | None:
     return info.get("expert_action")
 
 
+def report_keys(env_factory: Callable[[], gymnasium.Env]) -> tuple[str, ...]:
+    """The info keys the environment a factory makes reports as figures at an episode's end (its
+    class's ``report_keys``); ``()`` for a factory that cannot name its class (a plain callable)."""
+    env_class_of = getattr(env_factory, "env_class", None)
+    return tuple(getattr(env_class_of(), "report_keys", ())) if env_class_of is not None else ()
+
+
 @dataclass(frozen=True)
 class EnvFactory:
     """A picklable recipe for an environment, so it can be sent to a Ray actor.
@@ -181,6 +194,16 @@ class EnvFactory:
     def env_class(self) -> Any:
         """The environment's registered class, without making one (:func:`env_class`)."""
         return env_class(self.env_id, self.module)
+
+    @classmethod
+    def of(cls, env_cfg: EnvConfig, **kwargs: Any) -> "EnvFactory":
+        """The factory of a recipe's ``env`` section (:class:`opd.schema.EnvConfig`), its kwargs as
+        plain containers; ``kwargs`` override the section's (``max_turns=4``)."""
+        from omegaconf import OmegaConf
+
+        section = env_cfg.kwargs
+        plain = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else dict(section)
+        return cls(env_cfg.id, {**plain, **kwargs}, env_cfg.module)
 
 
 # ----- contract checker -----

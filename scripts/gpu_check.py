@@ -70,6 +70,7 @@ def quickstart(args, work: Path) -> dict:
     import torch
 
     from opd.cli import main as opd_main
+    from opd.evaluation.run_dir import RunDir
 
     run_dir = work / "quickstart"
     if torch.cuda.is_available():
@@ -82,9 +83,8 @@ def quickstart(args, work: Path) -> dict:
     wall = time.perf_counter() - start
     if code != 0:
         raise RuntimeError(f"opd train exited {code} (see {run_dir / 'error.log'})")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "time/step_s" in r]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    run = RunDir(run_dir)
+    steps, summary = run.steps(), run.summary()
     split = {k: statistics.median(r[k] for r in steps) for k in steps[0] if k.startswith("time/")}
     return {
         "recipe": args.recipe, "steps": len(steps), "wall_s": wall,
@@ -132,7 +132,7 @@ def mfu(args, work: Path) -> dict:
     from opd.chat import ChatFormat
     from opd.models import save_model, train_chat_tokenizer
     from opd.schema import TrainerConfig
-    from opd.training.trainer import StudentTrainer
+    from opd.training.trainer import StudentTrainer, TrainerSpec
 
     gpu = torch.cuda.is_available()
     dtype = "bfloat16" if gpu else "float32"
@@ -146,7 +146,8 @@ def mfu(args, work: Path) -> dict:
     batch = build_token_batch(trajs, scores, fmt.pad_id, fmt)
     cfg = OmegaConf.structured(TrainerConfig(engine="torch", learning_rate=1e-12, micro_batch_size=args.mfu_rows,
                                              micro_batch_tokens=0))
-    trainer = StudentTrainer(cfg, [("reverse_kl", 1.0, {})], str(path), episodes_per_step=args.mfu_rows, dtype=dtype)
+    trainer = StudentTrainer(TrainerSpec(cfg, (("reverse_kl", 1.0, {}),), str(path), episodes_per_step=args.mfu_rows,
+                                         dtype=dtype))
     flops = step_flops(trainer.engine.module, batch, True, cfg.micro_batch_size, cfg.micro_batch_tokens)
     trainer.train_step(batch)  # warm-up
     times = []
@@ -197,7 +198,7 @@ def deepspeed_zero(args, work: Path) -> dict:
     from opd.rollout.vanilla import EpisodeSettings, run_episodes
     from opd.schema import TinyArchConfig, TrainerConfig
     from opd.supervision.teacher_view import score_trajectories
-    from opd.training.trainer import StudentTrainer
+    from opd.training.trainer import StudentTrainer, TrainerSpec
 
     factory = EnvFactory("opd/FrozenLakeText-v0", {"n_train_tasks": 64, "n_eval_tasks": 8})
     env = factory()
@@ -214,8 +215,8 @@ def deepspeed_zero(args, work: Path) -> dict:
     out = {}
     for stage in (0, 3):
         cfg = OmegaConf.structured(TrainerConfig(learning_rate=1e-3, zero_stage=stage, micro_batch_size=8))
-        trainer = StudentTrainer(cfg, [("reverse_kl", 1.0, {})], str(work / "ds_student"), episodes_per_step=16,
-                                 total_steps=2)
+        trainer = StudentTrainer(TrainerSpec(cfg, (("reverse_kl", 1.0, {}),), str(work / "ds_student"),
+                                             episodes_per_step=16, total_steps=2))
         losses = [trainer.train_step(batch)["loss"] for _ in range(2)]
         student.update_weights(trainer.export_weights())
         served, trained = student.state_dict(), trainer.export_weights()

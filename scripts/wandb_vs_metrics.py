@@ -11,10 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from opd.evaluation.run_dir import RunDir
+
 run = Path(sys.argv[1])
 metrics = {}
-for line in (run / "metrics.jsonl").read_text().splitlines():
-    r = json.loads(line)
+for r in RunDir(run).metrics():
     metrics.setdefault(r["step"], {}).update({k: v for k, v in r.items() if k != "step"})
 dirs = sorted((run / "wandb").glob("offline-run-*"))
 print("wandb offline dirs:", *[str(d) for d in dirs])

@@ -28,8 +28,6 @@ from opd.algorithms.step import (StepClock, build_token_batch, episode_metrics, 
 from opd.trajectory import Trajectory
 
 
-BUILD_NEXT_TO_TRAINER = True  # False: through the driver, as before (bench/driver_memory.py compares them)
-
 
 def train_step(ctx: RunContext, step: int) -> dict[str, float]:
     """Run one OPD step."""
@@ -38,17 +36,11 @@ def train_step(ctx: RunContext, step: int) -> dict[str, float]:
     clock.lap("generation")
     # The scores go from the teacher to the trainer, which builds the batch: the driver keeps the
     # trajectories and each token's teacher logprob, never the top-k or full distributions.
+    scored = ctx.workers.score_for_training(trajs, ctx.cfg.supervision)
+    clock.lap("teacher_scoring")
+    ctx.episodes.train_sample(step, trajs, scored.light)
     build_args = (ctx.fmt.pad_id, ctx.fmt, ctx.cfg.rollout.group_size)
-    if BUILD_NEXT_TO_TRAINER:
-        scored = ctx.workers.score_for_training(trajs, ctx.cfg.supervision)
-        clock.lap("teacher_scoring")
-        ctx.episodes.train_sample(step, trajs, scored.light)
-        metrics = train_and_sync(ctx, BatchPlan(build_token_batch, trajs, scored, build_args), clock)
-    else:  # the scores fetched and the batch built here (bench/driver_memory.py's baseline)
-        scored = ctx.workers.score(trajs, ctx.cfg.supervision)
-        clock.lap("teacher_scoring")
-        ctx.episodes.train_sample(step, trajs, scored)
-        metrics = train_and_sync(ctx, build_token_batch(trajs, scored, *build_args), clock)
+    metrics = train_and_sync(ctx, BatchPlan(build_token_batch, trajs, scored, build_args), clock)
     metrics.update(episode_metrics(trajs, gen))
     metrics.update(lockstep_decode_metrics(trajs))
     metrics.update(teacher_metrics(scored))

@@ -33,6 +33,7 @@ from typing import Any, Callable, Literal, Sequence
 
 from opd.chat import first_prompt_ids, next_prompt_ids
 from opd.generation.base import SamplingParams
+from opd.rollout.vanilla import EpisodeSettings
 from opd.trajectory import Trajectory, Turn
 
 Judge = Literal["expert", "rollouts"]
@@ -130,7 +131,8 @@ def replay_step(env: Any, ref: Reference, i: int) -> tuple:
     return result
 
 
-def collect_states(env_factory: Callable[[], Any], refs: Sequence[Reference], host: Any, settings: Any) -> list[State]:
+def collect_states(env_factory: Callable[[], Any], refs: Sequence[Reference], host: Any,
+                   settings: EpisodeSettings) -> list[State]:
     """Every state of every reference, replayed once, with its context in ``host``'s ids."""
     states = []
     env = env_factory()
@@ -179,8 +181,8 @@ def expert_outcome(env: Any, ref: Reference, turn: int, action: str, cap: int = 
     return bool(info.get("success", False)), steps
 
 
-def rollout_outcome(env: Any, ref: Reference, state: State, action: str, host: Any, settings: Any, rollouts: int,
-                    seed: int) -> float:
+def rollout_outcome(env: Any, ref: Reference, state: State, action: str, host: Any, settings: EpisodeSettings,
+                    rollouts: int, seed: int) -> float:
     """Success rate of ``rollouts`` continuations by ``host`` (sampled at ``settings.temperature``)
     after taking ``action`` in ``state``."""
     wins = 0
@@ -215,8 +217,8 @@ def verdict(a: Any, b: Any) -> str:
     return "better" if b > a else ("worse" if b < a else "equal")
 
 
-def compare_policies(host_a: Any, host_b: Any, env_factory: Callable[[], Any], refs: Sequence[Reference], settings: Any,
-                     judge: Judge = "expert", rollouts: int = 4, seed: int = 0,
+def compare_policies(host_a: Any, host_b: Any, env_factory: Callable[[], Any], refs: Sequence[Reference],
+                     settings: EpisodeSettings, judge: Judge = "expert", rollouts: int = 4, seed: int = 0,
                      advance: Callable[[int], None] = lambda n: None) -> dict[str, Any]:
     """The comparison's numbers (see the module docstring) and one record per state."""
     states = collect_states(env_factory, refs, host_a, settings)

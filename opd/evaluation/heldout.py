@@ -15,19 +15,13 @@ from dataclasses import asdict, dataclass
 from opd.algorithms.base import Role, RunContext
 from opd.trajectory import Trajectory, success_rate
 
-# What an environment reports at an episode's end besides success, averaged over the held-out
-# episodes that report it: ScienceWorld's and TextWorld's score, the clinical simulator's value,
-# questions asked, premature commitments (a share) and value on its high-risk cases (reported by
-# those episodes only).
-ENV_FIGURES = ("score", "value", "questions_asked", "premature_commitment", "high_risk_value")
-
 
 def evaluate(ctx: RunContext, who: Role, step: int = 0) -> dict[str, float]:
     """``who`` plays each of ``ctx.eval_tasks`` once, greedily (``ctx.eval_settings``); returns
     ``eval/{who}_success``, ``eval/{who}_return`` and ``eval/{who}_turns`` (means per episode),
     ``eval/{who}_time_s``, ``eval/{who}_valid_action_rate`` (where the environment says which
-    actions it accepted) and each of :data:`ENV_FIGURES` the environment reports
-    (``eval/{who}_value`` ...)."""
+    actions it accepted) and each figure the environment reports (its ``report_keys``:
+    ``eval/{who}_score``, ``eval/{who}_value`` ...)."""
     trajs, gen = ctx.workers.collect(who, ctx.env_factory, ctx.eval_tasks, ctx.eval_settings, ctx.cfg.run.seed)
     ctx.episodes.evaluation(step, who, trajs)
     return {
@@ -36,7 +30,7 @@ def evaluate(ctx: RunContext, who: Role, step: int = 0) -> dict[str, float]:
         f"eval/{who}_turns": sum(len(t.turns) for t in trajs) / max(len(trajs), 1),
         f"eval/{who}_time_s": gen["generation_s"],
         **({f"eval/{who}_valid_action_rate": valid} if (valid := valid_action_rate(trajs)) is not None else {}),
-        **{f"eval/{who}_{k}": v for k, v in env_figures(trajs).items()},
+        **{f"eval/{who}_{k}": v for k, v in env_figures(trajs, ctx.eval_settings.report_keys).items()},
     }
 
 
@@ -47,11 +41,11 @@ def valid_action_rate(trajs: list[Trajectory]) -> float | None:
     return sum(flags) / len(flags) if flags else None
 
 
-def env_figures(trajs: list[Trajectory]) -> dict[str, float]:
-    """The mean of each :data:`ENV_FIGURES` entry in the episodes' last info (a bool as a share),
-    over the episodes that report it."""
+def env_figures(trajs: list[Trajectory], keys: tuple[str, ...]) -> dict[str, float]:
+    """The mean of each of ``keys`` (the environment's ``report_keys``) in the episodes' last info
+    (a bool as a share), over the episodes that report it."""
     out = {}
-    for key in ENV_FIGURES:
+    for key in keys:
         values = [float(t.turns[-1].info[key]) for t in trajs if t.turns and isinstance(t.turns[-1].info.get(key),
                                                                                          (int, float))]
         if values:

@@ -10,18 +10,16 @@ generically, so a custom loss shows up as its built-in neighbours do.
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from opd.evaluation.run_dir import RunDir
 from opd.optional import optional_module
+from opd.progress import Progress
+from opd.schema import ModelConfig, OPDConfig
 
 MAX_TERMS_SHOWN = 3  # loss terms on the progress line; the rest are in metrics.jsonl
-# The bar's columns before the status ("train", a bar rich may narrow to ~10, "3/10", elapsed,
-# remaining): a status longer than the terminal's width less this squeezes the times to "0:…".
-BAR_COLUMNS_WIDTH = 40
 KL_KEY = "reverse_kl_per_token"
 
 
@@ -38,87 +36,43 @@ def short_name(name: str, width: int = 12) -> str:
     return "_".join(word[:4] for word in name.split("_"))[:width]
 
 
-def format_duration(seconds: float) -> str:
-    """``45s``, ``1m20s``, ``2h05m``."""
-    seconds = max(0, round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-
-
-class Progress:
-    """A live progress bar on a terminal; one plain line per step otherwise (CI logs), ending
-    with the time left at the mean wall-clock time of the steps so far (``eta 1m20s``).
-
-    The status after ``loss`` names the recipe's loss terms when it has several (at most
-    :data:`MAX_TERMS_SHOWN`), then ``kl`` (the reverse KL headline) when a term reports one.
+def training_progress(log: Callable[[str], Any], total: int, start: int,
+                      clock: Callable[[], float] = time.monotonic) -> Progress:
+    """The training loop's :class:`opd.progress.Progress`: a bar on a terminal; one plain line per
+    step otherwise (CI logs), ending with the time left (``eta 1m20s``).
 
     Example:
-        >>> progress = Progress(None, total=10, start=0)  # doctest: +SKIP
-        >>> progress.update(1, {"loss": 0.5, "loss/reverse_kl": 0.1, "loss/sft": 0.4, "reverse_kl_per_token": 0.1})  # doctest: +SKIP
+        >>> progress = training_progress(print, total=10, start=0)  # doctest: +SKIP
+        >>> progress.advance(1, step_status(metrics))  # doctest: +SKIP
         step 1/10: loss +0.500 reverse_kl +0.100 sft +0.400 kl 0.100 succ 0.00 0.0s/it eta 18s
     """
-
-    def __init__(self, console: Any, total: int, start: int, clock: Callable[[], float] = time.monotonic):
-        self.console = console
-        self.total, self.start = total, start
-        self.clock = clock
-        self.started_at = clock()
-        self.live = None
-        if console is not None and console.is_terminal:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-            self.live = RichProgress(
-                TextColumn("[bold]train"), BarColumn(bar_width=24), MofNCompleteColumn(), TimeElapsedColumn(),
-                TimeRemainingColumn(), TextColumn("{task.fields[status]}"), console=console, transient=False,
-            )
-            self.task = self.live.add_task("train", total=total, completed=start, status="")
-            self.live.start()
-
-    def status(self, metrics: dict[str, float], width: int | None = None) -> str:
-        """The step's line after the step count: the loss, its terms, the KL headline, success, speed.
-
-        The terms are shown when the recipe has two or more (a lone term is the loss, times its
-        weight), at most :data:`MAX_TERMS_SHOWN`, and, given a ``width``, only as many as fit in it:
-        the rest of the line comes first.
-        """
-        terms = loss_terms(metrics)
-        shown = [f"{short_name(name)} {value:+.3f}" for name, value in terms.items()][:MAX_TERMS_SHOWN] if len(terms) > 1 else []
-        rest = []
-        if KL_KEY in metrics:
-            rest.append(f"kl {metrics[KL_KEY]:.3f}")
-        if "pivot/found_rate" in metrics:
-            rest.append(f"pivots {metrics['pivot/found_rate'] * metrics.get('pivot/failures', 0):.0f}")
-        rest.append(f"succ {metrics.get('success', 0.0):.2f} {metrics.get('time/step_s', 0.0):.1f}s/it")
-        if "eval/student_success" in metrics:
-            rest[-1] += f"  eval {metrics['eval/student_success']:.2f}"
-        line = lambda: " ".join([f"loss {metrics.get('loss', float('nan')):+.3f}", *shown, *rest])  # noqa: E731
-        while shown and width is not None and len(line()) > width:
-            shown.pop()
-        return line()
-
-    def eta_s(self, step: int) -> float:
-        """Seconds left: the steps to go at the mean wall-clock time of those done since the start."""
-        done = step - self.start
-        return (self.clock() - self.started_at) / done * (self.total - step) if done > 0 else float("nan")
-
-    def update(self, step: int, metrics: dict[str, float]) -> None:
-        if self.live is not None:  # rich's TimeRemainingColumn shows the time left
-            status = self.status(metrics, width=self.console.width - BAR_COLUMNS_WIDTH)
-            self.live.update(self.task, completed=step, status=status)
-        else:
-            eta = self.eta_s(step)
-            tail = f" eta {format_duration(eta)}" if eta == eta else ""  # nan (no step done yet): none
-            print(f"step {step}/{self.total}: {self.status(metrics)}{tail}", file=sys.stdout, flush=True)
-
-    def close(self) -> None:
-        if self.live is not None:
-            self.live.stop()
+    return Progress(log, "step", total, start=start, every_update=True, label="[bold]train", clock=clock)
 
 
-def render_summary(console: Any, summary: dict[str, Any], cfg: Any) -> None:
+def step_status(metrics: dict[str, float], width: int | None = None) -> str:
+    """A training step's status after its count: the loss, its terms, the KL headline, success, speed.
+
+    The terms are shown when the recipe has two or more (a lone term is the loss, times its
+    weight), at most :data:`MAX_TERMS_SHOWN`, and, given a ``width``, only as many as fit in it:
+    the rest of the line comes first. ``kl`` is the reverse KL headline when a term reports one.
+    """
+    terms = loss_terms(metrics)
+    shown = [f"{short_name(name)} {value:+.3f}" for name, value in terms.items()][:MAX_TERMS_SHOWN] if len(terms) > 1 else []
+    rest = []
+    if KL_KEY in metrics:
+        rest.append(f"kl {metrics[KL_KEY]:.3f}")
+    if "pivot/found_rate" in metrics:
+        rest.append(f"pivots {metrics['pivot/found_rate'] * metrics.get('pivot/failures', 0):.0f}")
+    rest.append(f"succ {metrics.get('success', 0.0):.2f} {metrics.get('time/step_s', 0.0):.1f}s/it")
+    if "eval/student_success" in metrics:
+        rest[-1] += f"  eval {metrics['eval/student_success']:.2f}"
+    line = lambda: " ".join([f"loss {metrics.get('loss', float('nan')):+.3f}", *shown, *rest])  # noqa: E731
+    while shown and width is not None and len(line()) > width:
+        shown.pop()
+    return line()
+
+
+def render_summary(console: Any, summary: dict[str, Any], cfg: OPDConfig) -> None:
     """The closing table: teacher and student success before/after, and the time split."""
     from rich.console import Console
     from rich.table import Table
@@ -161,7 +115,7 @@ def render_summary(console: Any, summary: dict[str, Any], cfg: Any) -> None:
     )
 
 
-def _source(model_cfg: Any) -> str:
+def _source(model_cfg: ModelConfig) -> str:
     boot = model_cfg.bootstrap
     if boot is None:
         return model_cfg.path
@@ -192,7 +146,7 @@ def write_report_plot(run_dir: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = RunDir(run_dir).metrics()
     evals = [(r["step"], r["eval/student_success"]) for r in records if "eval/student_success" in r]
     teacher = [r["eval/teacher_success"] for r in records if "eval/teacher_success" in r]
     title, ylabel, series = second_panel(records)

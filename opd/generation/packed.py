@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 
 ATTENTION_NAME = "opd_packed"
 _WARNED: set[str] = set()  # model classes already warned about (once each, not every forward)
-FAST_ATTENTION = True  # False: the masked forwards (bench/forwards.py measures one against the other)
 
 
 @dataclass
@@ -154,8 +153,6 @@ def packed_forward(model, input_ids_BL: torch.Tensor, position_ids_BL: torch.Ten
     at padding positions are unspecified."""
     device = input_ids_BL.device
     position_ids_BL, branch_BL, valid_BL = position_ids_BL.to(device), branch_BL.to(device), valid_BL.to(device)
-    if not FAST_ATTENTION:
-        return _masked_forward(model, input_ids_BL, position_ids_BL, branch_BL, valid_BL)
     _register()
     layout, order_BL = PackedLayout.reorder(branch_BL, valid_BL)
     with _attention(model, ATTENTION_NAME):
@@ -182,7 +179,7 @@ def causal_forward(model, input_ids_BL: torch.Tensor, valid_BL: torch.Tensor) ->
     """
     valid_BL = valid_BL.to(input_ids_BL.device).bool()
     lengths_B1 = valid_BL.sum(1, keepdim=True)
-    if FAST_ATTENTION and torch.equal(valid_BL, torch.arange(valid_BL.shape[1], device=valid_BL.device) < lengths_B1):
+    if torch.equal(valid_BL, torch.arange(valid_BL.shape[1], device=valid_BL.device) < lengths_B1):
         return model(input_ids=input_ids_BL).logits
     return model(input_ids=input_ids_BL, attention_mask=valid_BL.long()).logits
 

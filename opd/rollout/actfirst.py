@@ -327,7 +327,8 @@ class _ActFirstRollout:
                 self._end(i)
                 continue
             e.observation = result[0]
-            e.traj.initial_observation, e.traj.initial_info = result[0], kept_info(result[1])
+            e.traj.initial_observation = result[0]
+            e.traj.initial_info = kept_info(result[1], self.settings.episode.report_keys)
             e.prompt = standard_prompt_ids(self.fmt, self.tokenizer, e.observation, self.settings.episode.system_prompt,
                                            first=True)
             e.context = list(e.prompt)
@@ -399,7 +400,8 @@ class _ActFirstRollout:
         self.matches[i].append(match)
         turn.observation, turn.reward = obs, float(reward)
         turn.terminated, turn.truncated = bool(terminated), bool(truncated)
-        turn.info = {**kept_info(info), "actfirst_mode": mode, "transition_match": match}
+        turn.info = {**kept_info(info, self.settings.episode.report_keys), "actfirst_mode": mode,
+                     "transition_match": match}
         e.traj.success = bool(info.get("success", False))
         if terminated or truncated:
             e.traj.end_reason = "success" if e.traj.success else ("failure" if terminated else "truncated")

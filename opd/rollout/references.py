@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
-from opd.schema import ConfigError
+from opd.schema import ConfigError, OPDConfig
 
 REFERENCES_VERSION = 1
 COLUMNS = ("task", "actions", "observations", "success")
@@ -223,14 +223,14 @@ def _plain(node: Any) -> Any:
     return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
 
-def _cache_root(cfg: Any) -> Path:
+def _cache_root(cfg: OPDConfig) -> Path:
     for role in (cfg.teacher, cfg.student):
         if role.bootstrap is not None:
             return Path(os.path.expanduser(role.bootstrap.cache_dir)).parent
     return Path(os.path.expanduser("~/.cache/opd"))
 
 
-def references_key(cfg: Any) -> dict[str, Any]:
+def references_key(cfg: OPDConfig) -> dict[str, Any]:
     """What the stored references depend on (hashed into their directory name)."""
     af = cfg.actfirst
     payload: dict[str, Any] = {"v": REFERENCES_VERSION, "env": cfg.env.id, "kwargs": _plain(cfg.env.kwargs),
@@ -250,7 +250,7 @@ def references_key(cfg: Any) -> dict[str, Any]:
     return payload
 
 
-def references_dir(cfg: Any) -> Path:
+def references_dir(cfg: OPDConfig) -> Path:
     """The directory that holds (or will hold) the recipe's references."""
     if cfg.actfirst.references_dir:
         return Path(os.path.expanduser(cfg.actfirst.references_dir))
@@ -258,7 +258,7 @@ def references_dir(cfg: Any) -> Path:
     return _cache_root(cfg) / "references" / digest
 
 
-def build_references(cfg: Any, log: Callable[[str], None] = print,
+def build_references(cfg: OPDConfig, log: Callable[[str], None] = print,
                      teacher_play: Callable[[list[str]], list] | None = None, chunk: int = 64) -> Path:
     """Build the recipe's references (if not stored yet) and return their directory.
 
@@ -267,7 +267,7 @@ def build_references(cfg: Any, log: Callable[[str], None] = print,
         log: where progress lines go (the CLI passes ``console.log``).
         teacher_play: ``tasks -> trajectories``, the teacher's greedy episodes: required for
             ``reference_source: teacher`` (a run passes its teacher worker; ``opd references
-            build`` one in its own process, :func:`opd.runtime.actors.local_teacher_player`).
+            build`` one in its own process, :func:`opd.runtime.workers.local_teacher_player`).
         chunk: tasks per progress line (and per teacher call).
     """
     from opd.envs import EnvFactory
@@ -281,7 +281,7 @@ def build_references(cfg: Any, log: Callable[[str], None] = print,
     if af.reference_source == "dataset":
         built = dataset_references(af.reference_dataset)
     else:
-        factory = EnvFactory(cfg.env.id, dict(_plain(cfg.env.kwargs)), cfg.env.module)
+        factory = EnvFactory.of(cfg.env)
         env = factory()
         tasks = env.unwrapped.task_ids(cfg.env.train_split)
         play = None
@@ -308,7 +308,7 @@ def build_references(cfg: Any, log: Callable[[str], None] = print,
     return directory
 
 
-def _check_meta(cfg: Any, directory: Path) -> None:
+def _check_meta(cfg: OPDConfig, directory: Path) -> None:
     """A user-chosen ``actfirst.references_dir`` must hold references of this recipe's settings."""
     if not cfg.actfirst.references_dir:
         return  # the hashed directory name is the check
@@ -320,7 +320,7 @@ def _check_meta(cfg: Any, directory: Path) -> None:
                           f"({', '.join(differ)} differ); point it elsewhere, or leave it empty for a keyed cache.")
 
 
-def ensure_references(cfg: Any, log: Callable[[str], None] = print,
+def ensure_references(cfg: OPDConfig, log: Callable[[str], None] = print,
                       teacher_play: Callable[[list[str]], list] | None = None) -> Path:
     """The references' directory, built on first use (and logged as such)."""
     directory = references_dir(cfg)
@@ -332,7 +332,7 @@ def ensure_references(cfg: Any, log: Callable[[str], None] = print,
     return build_references(cfg, log, teacher_play)
 
 
-def load_references(cfg: Any, log: Callable[[str], None] = print, tasks: list[str] | None = None,
+def load_references(cfg: OPDConfig, log: Callable[[str], None] = print, tasks: list[str] | None = None,
                     teacher_play: Callable[[list[str]], list] | None = None) -> dict[str, Reference]:
     """task -> :class:`Reference` for ``tasks`` (all if ``None``), building them on first use."""
     return read_references(ensure_references(cfg, log, teacher_play), tasks)

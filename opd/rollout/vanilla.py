@@ -20,12 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from opd.chat import ChatFormat, first_prompt_ids, next_prompt_ids
+from opd.envs import EnvFactory, report_keys
 from opd.generation.base import SamplingParams
 from opd.rollout.env_pool import EnvFailure, InProcessEnvs
+from opd.schema import OPDConfig
 from opd.trajectory import Trajectory, Turn
 
-INFO_KEYS = ("success", "valid_action", "expert_action", "turn", "score", "value", "questions_asked",
-             "premature_commitment", "high_risk_value")
+# Kept from every step's info, with the environment's report_keys.
+INFO_KEYS = ("success", "valid_action", "expert_action", "turn")
 
 
 @dataclass(frozen=True)
@@ -41,21 +43,22 @@ class EpisodeSettings:
     env_memory_limit_mb: float = 4096.0  # subprocess: an env process's memory cap; 0: none
     env_cpu_time_limit_s: float = 60.0  # subprocess: CPU seconds per reset or step; 0: none
     history: str = "full"  # full: past turns keep their whole response | state_grounded: their action only
+    report_keys: tuple[str, ...] = ()  # the env's figures, kept in each turn's info (opd.envs.report_keys)
 
 
-def episode_settings(cfg, temperature: float, history: str = "full") -> EpisodeSettings:
-    """The recipe's (:class:`opd.schema.OPDConfig`) episode settings at ``temperature``, past
-    turns shown as ``history`` says."""
+def episode_settings(cfg: OPDConfig, temperature: float, history: str = "full") -> EpisodeSettings:
+    """The recipe's episode settings at ``temperature``, past turns shown as ``history`` says."""
     return EpisodeSettings(
         max_new_tokens=cfg.rollout.max_new_tokens, temperature=temperature,
         max_context_tokens=cfg.rollout.max_context_tokens, system_prompt=cfg.rollout.system_prompt,
         env_isolation=cfg.env.isolation, env_timeout_s=cfg.env.timeout_s, env_memory_limit_mb=cfg.env.memory_limit_mb,
-        env_cpu_time_limit_s=cfg.env.cpu_time_limit_s, history=history)
+        env_cpu_time_limit_s=cfg.env.cpu_time_limit_s, history=history, report_keys=report_keys(EnvFactory.of(cfg.env)))
 
 
-def kept_info(info: dict) -> dict:
-    """The JSON-safe subset of a step's info that a trajectory keeps (:data:`INFO_KEYS`)."""
-    return {k: info[k] for k in INFO_KEYS if k in info}
+def kept_info(info: dict, report_keys: tuple[str, ...] = ()) -> dict:
+    """The JSON-safe subset of a step's info that a trajectory keeps: :data:`INFO_KEYS` and the
+    environment's ``report_keys``."""
+    return {k: info[k] for k in (*INFO_KEYS, *report_keys) if k in info}
 
 
 def run_episodes(
@@ -99,7 +102,8 @@ def run_episodes(
         if isinstance(result, EnvFailure):  # a broken env ends its episode, not the run
             mark_env_error(trajs[i], result)
             continue
-        trajs[i].initial_observation, trajs[i].initial_info = result[0], kept_info(result[1])
+        trajs[i].initial_observation = result[0]
+        trajs[i].initial_info = kept_info(result[1], settings.report_keys)
         prompt = first_prompt_ids(fmt, tokenizer, result[0], settings.system_prompt)
         contexts[i] = list(prompt)
         pending.append((i, prompt))
@@ -130,7 +134,8 @@ def run_episodes(
                 continue
             obs, reward, terminated, truncated, info = result
             turn.observation, turn.reward = obs, float(reward)
-            turn.terminated, turn.truncated, turn.info = bool(terminated), bool(truncated), kept_info(info)
+            turn.terminated, turn.truncated = bool(terminated), bool(truncated)
+            turn.info = kept_info(info, settings.report_keys)
             trajs[i].success = bool(info.get("success", False))
             if terminated or truncated:
                 trajs[i].end_reason = "success" if trajs[i].success else ("failure" if terminated else "truncated")

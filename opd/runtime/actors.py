@@ -1,11 +1,12 @@
-"""The Ray side of the loop: the worker classes, how they are placed, and weight sync.
+"""The Ray side of the loop: the roles as actors, how they are placed, and weight sync.
 
-``TeacherWorker`` and ``RolloutWorker`` are plain classes; :func:`spawn_workers` hosts them and
-:class:`opd.training.trainer.StudentTrainer` as Ray actors with the recipe's CPU/GPU shares, and
-returns :class:`RayWorkers`, the :class:`opd.algorithms.base.Workers` handle that algorithms and
-the evaluation call (each call a remote call, awaited). Ray itself is started by
-:func:`opd.runtime.cluster.init_ray` (loopback and token authentication on one machine, or a join). Without
-Ray, a plain ``TeacherWorker`` plays in this process (:func:`local_teacher_player`).
+:func:`spawn_workers` hosts the plain worker classes of :mod:`opd.runtime.workers`
+(``TeacherWorker``, ``RolloutWorker``) and :class:`opd.training.trainer.StudentTrainer` as Ray
+actors with the recipe's CPU/GPU shares, and returns :class:`RayWorkers`, the
+:class:`opd.algorithms.base.Workers` handle that algorithms and the evaluation call (each call a
+remote call, awaited). Ray itself is started by :func:`opd.runtime.cluster.init_ray` (loopback and
+token authentication on one machine, or a join). This is the one module of a run that imports
+``ray``; :mod:`opd.runtime.local` runs the same workers without it.
 
 Weight sync: the trainer puts its full weights into the Ray object store once
 (``export_weights``), the rollout worker copies them into its live model in place. On one
@@ -19,126 +20,22 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import os
 import re
+import tempfile
 import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
-from opd.algorithms.base import Role
+from opd.algorithms.base import BatchPlan, Role, Scored
+from opd.envs import EnvFactory
+from opd.generation.base import TokenScores
+from opd.rollout.vanilla import EpisodeSettings
 from opd.runtime.errors import WorkerError
-from opd.trajectory import Trajectory
-
-
-def _set_threads(n: int) -> None:
-    import torch
-
-    torch.set_num_threads(max(1, n or os.cpu_count() or 1))
-
-
-class _PolicyHost:
-    """Shared mechanics of a process that holds one engine plus its tokenizer."""
-
-    def __init__(self, model_cfg: Any, path: str, torch_threads: int):
-        _set_threads(torch_threads)
-        from opd.chat import ChatFormat
-        from opd.generation import make_engine
-        from opd.models import load_tokenizer
-
-        self.engine = make_engine(model_cfg["engine"], path, model_cfg["dtype"], model_cfg["trust_remote_code"],
-                                  model_cfg.get("prefix_cache_mb", 0.0), model_cfg.get("tensor_parallel_size", 1))
-        self.tokenizer = load_tokenizer(path, model_cfg["trust_remote_code"])
-        self.fmt = ChatFormat.from_tokenizer(self.tokenizer)
-
-    def envs(self, env_factory, settings):
-        """The environment pool for ``env_factory``: child processes kept from call to call
-        (``None`` with ``env_isolation: inprocess``)."""
-        from opd.rollout.env_pool import EnvWorkerPool
-
-        if settings.env_isolation != "subprocess":
-            return None
-        limits = dict(memory_limit_mb=settings.env_memory_limit_mb, cpu_time_limit_s=settings.env_cpu_time_limit_s)
-        key = (env_factory, settings.env_timeout_s, tuple(limits.values()))
-        pool = getattr(self, "_pool", None)
-        if pool is None or self._pool_key != key:
-            if pool is not None:
-                pool.close()
-            preload = ("environments",) + ((env_factory.module,) if getattr(env_factory, "module", "") else ())
-            self._pool = EnvWorkerPool(env_factory, settings.env_timeout_s, preload, **limits)
-            self._pool_key = key
-        return self._pool
-
-    def collect(self, env_factory, tasks: list[str], settings, seed: int,
-                first_index: int = 0) -> tuple[list[Trajectory], dict[str, float]]:
-        """Play one episode per task (``tasks[0]`` the step's episode ``first_index``, see
-        :func:`opd.rollout.vanilla.run_episodes`); returns the trajectories and timing."""
-        from opd.rollout.vanilla import run_episodes
-
-        start = time.perf_counter()
-        envs = self.envs(env_factory, settings)
-        restarts_before = envs.restarts if envs is not None else 0
-        trajs = run_episodes(self.engine, env_factory, tasks, self.tokenizer, self.fmt, settings, seed, envs=envs,
-                             first_index=first_index)
-        seconds = time.perf_counter() - start
-        tokens = sum(t.num_response_tokens for t in trajs)
-        restarts = (envs.restarts - restarts_before) if envs is not None else 0
-        return trajs, {"generation_s": seconds, "generated_tokens": float(tokens), "env_restarts": float(restarts)}
-
-    def run(self, fn, *args, **kwargs):
-        """``fn(self, *args, **kwargs)`` inside this worker: how an algorithm runs its own rollout
-        or scoring code next to the engine (``fn`` must be importable, e.g. a module function)."""
-        return fn(self, *args, **kwargs)
-
-
-class TeacherWorker(_PolicyHost):
-    """The frozen teacher: scores the student's responses in the recipe's view and scoring mode.
-
-    With ``student_path`` (``supervision.cross_tokenizer``) the teacher's tokenizer may differ
-    from the student's: responses are re-tokenised and scores aligned over text spans.
-    """
-
-    def __init__(self, model_cfg: Any, path: str, torch_threads: int, student_path: str | None = None,
-                 student_trust_remote_code: bool = False):
-        super().__init__(model_cfg, path, torch_threads)
-        self.cross = None
-        if student_path is not None:
-            from opd.models import load_tokenizer
-            from opd.supervision.cross_tokenizer import CrossTokenizerScorer
-
-            self.cross = CrossTokenizerScorer(load_tokenizer(student_path, student_trust_remote_code), self.tokenizer)
-
-    def score(self, trajs: list[Trajectory], supervision: Any) -> list:
-        """:class:`opd.generation.base.TokenScores` of each trajectory's response tokens."""
-        from opd.supervision.teacher_view import score_trajectories
-
-        if self.cross is not None:
-            return self.cross.score(self.engine, trajs, supervision.teacher_view, supervision.score_batch_size,
-                                    supervision.score_batch_tokens)
-        return score_trajectories(self.engine, trajs, supervision.teacher_view, self.fmt, supervision.score_batch_size,
-                                  supervision.scoring, supervision.top_k, supervision.score_batch_tokens)
-
-
-    def score_split(self, trajs: list[Trajectory], supervision: Any) -> tuple[list, tuple[list, int]]:
-        """:meth:`score`, and beside it the light part for the driver: each trajectory's scores
-        of the sampled tokens only, and the whole answer's size in bytes (under Ray, two
-        returns: the whole answer stays in the object store until the trainer takes it)."""
-        from opd.generation.base import TokenScores
-
-        scores = self.score(trajs, supervision)
-        return scores, ([TokenScores(s.logprobs) for s in scores], sum(s.nbytes() for s in scores))
-
-
-class RolloutWorker(_PolicyHost):
-    """The student's inference engine: plays episodes and takes the trainer's weights."""
-
-    def update_weights(self, state_dict) -> float:
-        start = time.perf_counter()
-        self.engine.update_weights(state_dict)
-        return time.perf_counter() - start
-
-    def state_dict(self):
-        return self.engine.state_dict()
+from opd.runtime.workers import RolloutWorker, TeacherWorker, role_specs
+from opd.schema import OPDConfig, ResourcesConfig, SupervisionConfig
+from opd.trajectory import TokenBatch, Trajectory
 
 
 @dataclass
@@ -208,7 +105,7 @@ class RayWorkers:
 
     def _await(self, ref: Any, role: str, call: str) -> Any:
         """``ray.get(ref)`` (a ref or a list of refs), bounded, its failure a :class:`WorkerError`."""
-        import ray  # here, not at import: the module's plain classes run without Ray
+        import ray
         from ray import exceptions as rex
 
         try:
@@ -229,31 +126,32 @@ class RayWorkers:
                               f"{': ' + _plain(reason[0])[:300] if reason else ''}", None, _plain(str(exc)),
                               kind="died") from None
 
-    def _collect_refs(self, who: Role, env_factory, tasks: list[str], settings, seed: int) -> tuple[str, list[Any]]:
+    def _collect_refs(self, who: Role, env_factory: EnvFactory, tasks: list[str], settings: EpisodeSettings,
+                      seed: int) -> tuple[str, list[Any]]:
         role, hosts = self._hosts(who)
         refs = []
         for first, part in shares(tasks, len(hosts)):
             refs.append(hosts[len(refs)].collect.remote(env_factory, part, settings, seed, first))
         return role, refs
 
-    def collect(self, who: Role, env_factory, tasks: list[str], settings, seed: int):
+    def collect(self, who: Role, env_factory: EnvFactory, tasks: list[str], settings: EpisodeSettings,
+                seed: int) -> tuple[list[Trajectory], dict[str, float]]:
         role, refs = self._collect_refs(who, env_factory, tasks, settings, seed)
         return merge_collected(self._await(refs, role, "collect"))
 
-    def collect_later(self, who: Role, env_factory, tasks: list[str], settings, seed: int) -> "_InFlight":
+    def collect_later(self, who: Role, env_factory: EnvFactory, tasks: list[str], settings: EpisodeSettings,
+                      seed: int) -> "_InFlight":
         role, refs = self._collect_refs(who, env_factory, tasks, settings, seed)
         return _InFlight(self, refs, role, "collect", merge_collected)
 
-    def score(self, trajs: list[Trajectory], supervision: Any) -> list:
+    def score(self, trajs: list[Trajectory], supervision: SupervisionConfig) -> list[TokenScores]:
         refs = [self.teachers[k].score.remote(part, supervision)
                 for k, (_, part) in enumerate(shares(trajs, len(self.teachers)))]
         return [scores for part in self._await(refs, "teacher", "score") for scores in part]
 
-    def score_for_training(self, trajs: list[Trajectory], supervision: Any) -> Any:
+    def score_for_training(self, trajs: list[Trajectory], supervision: SupervisionConfig) -> Scored:
         """The teachers' scores left in the object store: the driver fetches only the light part
         (:meth:`TeacherWorker.score_split`)."""
-        from opd.algorithms.base import Scored
-
         whole, light = [], []
         for k, (_, part) in enumerate(shares(trajs, len(self.teachers))):
             heavy_ref, light_ref = self.teachers[k].score_split.options(num_returns=2).remote(part, supervision)
@@ -262,16 +160,17 @@ class RayWorkers:
         parts = self._await(light, "teacher", "score")
         return Scored([s for part, _ in parts for s in part], sum(size for _, size in parts), whole)
 
-    def train_built(self, plan: Any) -> dict[str, float]:
-        """Every trainer rank builds ``plan``'s batch from the teachers' refs and trains on it."""
+    def train_built(self, plan: BatchPlan) -> dict[str, float]:
+        """Every trainer rank builds ``plan``'s batch from the teachers' refs and trains on it
+        (each ref an argument of its own, which Ray resolves in the trainer's process)."""
         import ray
 
-        whole = plan.scored.whole if plan.scored is not None else None
+        parts = plan.scored.whole if plan.scored is not None else []
         trajs = ray.put(plan.trajs) if len(self.trainers) > 1 else plan.trajs
-        refs = [t.train_built.remote(plan.build, trajs, whole, *plan.args) for t in self.trainers]
+        refs = [t.train_built.remote(plan.build, trajs, plan.args, *parts) for t in self.trainers]
         return self._await(refs, "trainer", "train_step")[0]
 
-    def train(self, batch) -> dict[str, float]:
+    def train(self, batch: TokenBatch) -> dict[str, float]:
         import ray
 
         batch_ref = ray.put(batch) if len(self.trainers) > 1 else batch  # one copy for every rank
@@ -349,25 +248,7 @@ def _plain(text: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
-def role_arguments(cfg: Any, student_path: str, teacher_path: str) -> tuple[int, tuple, tuple, tuple]:
-    """The thread count and the constructor arguments of :class:`TeacherWorker`,
-    :class:`RolloutWorker` and :class:`opd.training.trainer.StudentTrainer` for a recipe: one
-    place for both backends (Ray actors here, plain objects in :mod:`opd.runtime.local`)."""
-    from omegaconf import OmegaConf
-
-    threads = cfg.resources.torch_threads or os.cpu_count() or 1
-    student = OmegaConf.to_container(cfg.student, resolve=True)
-    teacher = OmegaConf.to_container(cfg.teacher, resolve=True)
-    loss_terms = [(loss.name, float(loss.weight), OmegaConf.to_container(loss.args, resolve=True)) for loss in cfg.losses]
-    return (threads,
-            (teacher, teacher_path, threads, student_path if cfg.supervision.cross_tokenizer else None,
-             student["trust_remote_code"]),
-            (student, student_path, threads),
-            (cfg.trainer, loss_terms, student_path, cfg.rollout.episodes_per_step, student["dtype"],
-             student["trust_remote_code"], threads, cfg.run.total_steps, cfg.rollout.temperature))
-
-
-def spawn_workers(cfg: Any, student_path: str, teacher_path: str) -> RayWorkers:
+def spawn_workers(cfg: OPDConfig, student_path: str, teacher_path: str) -> RayWorkers:
     """Create the teacher replicas, the rollout replicas and the trainer group as actors with the
     recipe's resource shares, each role in its placement group (:mod:`opd.runtime.placement`),
     one bundle per actor.
@@ -377,27 +258,26 @@ def spawn_workers(cfg: Any, student_path: str, teacher_path: str) -> RayWorkers:
     """
     import ray
 
-    from opd.training.trainer import StudentTrainer, rendezvous_point
-
     from opd.runtime.placement import actor_options, group_nodes, reserve, role_requests
+    from opd.training.trainer import StudentTrainer
 
     res = cfg.resources
-    threads, teacher_args, rollout_args, trainer_args = role_arguments(cfg, student_path, teacher_path)
+    specs = role_specs(cfg, student_path, teacher_path)
     counts = role_counts(res)
     # Each role's resources are reserved first (a placement group per role, refused at once when
     # the cluster cannot hold it); the actors then start inside their groups.
     groups = reserve(role_requests(res, counts), timeout_s=res.placement_timeout_s)
     # Ray would set OMP_NUM_THREADS to an actor's (rounded-down) CPU share; on a small machine
     # the phases run one after another, so each actor may use every core while it works.
-    thread_env = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
+    thread_env = {"env_vars": {"OMP_NUM_THREADS": str(specs.threads)}}
 
     def start(cls, role: str, index: int, *args, **kwargs):
         return ray.remote(cls).options(
             num_cpus=getattr(res, f"{role}_cpus"), num_gpus=getattr(res, f"{role}_gpus"), runtime_env=thread_env,
             **actor_options(groups[role], index)).remote(*args, **kwargs)
 
-    teachers = [start(TeacherWorker, "teacher", k, *teacher_args) for k in range(counts["teacher"])]
-    rollouts = [start(RolloutWorker, "rollout", m, *rollout_args) for m in range(counts["rollout"])]
+    teachers = [start(TeacherWorker, "teacher", k, specs.teacher) for k in range(counts["teacher"])]
+    rollouts = [start(RolloutWorker, "rollout", m, specs.rollout) for m in range(counts["rollout"])]
     ranks = counts["trainer"]
     rendezvous = None
     if ranks > 1:
@@ -405,33 +285,32 @@ def spawn_workers(cfg: Any, student_path: str, teacher_path: str) -> RayWorkers:
         one_node = len({n["node_id"] for n in group_nodes({"trainer": groups["trainer"]})["trainer"]}) == 1
         rendezvous = ray.get(ray.remote(rendezvous_point).options(num_cpus=0, **actor_options(groups["trainer"], 0))
                              .remote(one_node), timeout=res.actor_timeout_s)
-    trainers = [start(StudentTrainer, "trainer", r, *trainer_args, rank=r, world_size=ranks, rendezvous=rendezvous)
+    trainers = [start(StudentTrainer, "trainer", r, specs.trainer, rank=r, world_size=ranks, rendezvous=rendezvous)
                 for r in range(ranks)]
     return RayWorkers(teachers=teachers, rollouts=rollouts, trainers=trainers, timeout_s=res.actor_timeout_s,
                       groups=groups, gathered_export=ranks > 1 and int(cfg.trainer.zero_stage) == 3)
 
 
-def role_counts(resources: Any) -> dict[str, int]:
+def role_counts(resources: ResourcesConfig) -> dict[str, int]:
     """Actors per role: ``resources.teacher_replicas``, ``rollout_replicas``, ``trainer_ranks``."""
     return {"teacher": int(getattr(resources, "teacher_replicas", 1)),
             "rollout": int(getattr(resources, "rollout_replicas", 1)),
             "trainer": int(getattr(resources, "trainer_ranks", 1))}
 
 
-def local_teacher_player(cfg: Any, log: Callable[[str], None]) -> Callable[[list[str]], list[Trajectory]]:
-    """``tasks -> trajectories``: the teacher's greedy episodes played in this process, without
-    Ray (``opd references build`` uses it for ``actfirst.reference_source: teacher``); the
-    teacher is provisioned first (built, for a ``bootstrap`` section)."""
-    from omegaconf import OmegaConf
+def rendezvous_point(one_node: bool) -> str:
+    """Where a trainer group meets, made on the node of rank 0 (run it there as a Ray task):
+    ``file://`` a fresh file in a private temporary directory when every rank is on this node,
+    else ``tcp://THIS_NODE_IP:PORT`` with a port that was free a moment ago
+    (:func:`opd.training.trainer.init_distributed`)."""
+    if one_node:
+        return f"file://{Path(tempfile.mkdtemp(prefix='opd-dist-')) / 'rendezvous'}"
+    import socket
 
-    from opd.envs import EnvFactory
-    from opd.provisioning import resolve_model_path
-    from opd.rollout.vanilla import EpisodeSettings
+    import ray
 
-    path = resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, log)
-    worker = TeacherWorker(OmegaConf.to_container(cfg.teacher, resolve=True), path, cfg.resources.torch_threads)
-    settings = EpisodeSettings(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0,
-                               max_context_tokens=cfg.rollout.max_context_tokens, system_prompt=cfg.rollout.system_prompt,
-                               env_isolation="inprocess")
-    factory = EnvFactory(cfg.env.id, dict(cfg.env.kwargs), cfg.env.module)
-    return lambda tasks: worker.collect(factory, tasks, settings, cfg.run.seed)[0]
+    ip = ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as sock:
+        sock.bind((ip, 0))
+        port = sock.getsockname()[1]
+    return f"tcp://{'[' + ip + ']' if ':' in ip else ip}:{port}"

@@ -51,6 +51,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from opd.schema import ResourcesConfig
+
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
@@ -63,7 +65,7 @@ QUIET_WORKER_ENV = (
 )
 
 
-def init_ray(resources: Any) -> None:
+def init_ray(resources: ResourcesConfig) -> None:
     """Start a local Ray on loopback with token authentication, or join ``RAY_ADDRESS``'s cluster.
 
     Args:

@@ -1,17 +1,35 @@
-"""The driver loop: setup -> evaluate -> (step, log, evaluate, checkpoint)* -> summary.
+"""The driver: a run as a recipe, setup -> preflight -> train -> summarize.
 
-Everything a run writes lives in ``run.output_dir``:
+:class:`TrainingRun` is one attempt of a run, in torchtune's shape:
+
+- :meth:`~TrainingRun.setup`: the run directory (and on ``--resume`` the recipe's differences),
+  the models (built by the bootstrap where the recipe says), the tokenizer policy, the
+  environment's tasks, the roles (Ray actors, or objects in this process with ``run.backend:
+  local``), the algorithm's :class:`~opd.algorithms.base.RunContext` and, on resume, the newest
+  checkpoint that verifies;
+- :meth:`~TrainingRun.preflight`: step 0's held-out evaluation of the teacher and the student,
+  and the check that the teacher is better (a resumed run skips both);
+- :meth:`~TrainingRun.train`: the algorithm's ``train_step`` up to ``run.total_steps``, with the
+  evaluation and checkpoint cadence (:meth:`~TrainingRun.save_checkpoint`);
+- :meth:`~TrainingRun.summarize`: ``summary.json``, ``report.png`` and the console's table.
+
+Its state is a :class:`~opd.runtime.run_state.RunState`, which every checkpoint keeps. :func:`train`
+runs attempts until one finishes, restarting the roles from the last checkpoint when an actor's
+process died.
+
+Everything a run writes lives in ``run.output_dir`` (read back with
+:class:`opd.evaluation.run_dir.RunDir`):
 
 - ``config.yaml``: the resolved config; ``trajectories/``: every evaluation episode and a sample
   of the training episodes, token by token (:mod:`opd.evaluation.trajectories`);
-  ``metrics.jsonl``: one JSON line per step and per
-  evaluation; ``tb/``: tensorboard events; ``checkpoints/step_N/``: see
-  :mod:`opd.training.checkpoint`; ``summary.json`` and ``report.png`` at the end.
+  ``metrics.jsonl``: one JSON line per step and per evaluation; ``tb/``: tensorboard events;
+  ``checkpoints/step_N/``: see :mod:`opd.training.checkpoint`; ``summary.json`` and
+  ``report.png`` at the end.
 
 Resume (``opd train RECIPE --resume``) loads the newest checkpoint that verifies (its files
 match the sizes and hashes recorded at save time, its pickles hold only tensors and allowed data
 classes): DeepSpeed state into the trainer, its weights into the rollout engine, and the driver's
-counters. A checkpoint that fails verification is moved aside to ``checkpoints/rejected-step_N``
+state. A checkpoint that fails verification is moved aside to ``checkpoints/rejected-step_N``
 (kept, never deleted) and the next older one is tried. A recipe that differs from the run's
 ``config.yaml`` in anything but :data:`RESUMABLE_KEYS` is refused, listing the differences. Task
 sampling and generation seeds are pure functions of (seed, step), so the resumed run continues
@@ -25,14 +43,27 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from opd.algorithms import get_algorithm
+from opd.algorithms.base import RunContext, StepRollouts, Workers
+from opd.bootstrap import resolve_model_path
+from opd.chat import ChatFormat
 from opd.config import ConfigError, flatten, to_yaml
+from opd.envs import EnvFactory
+from opd.evaluation.heldout import check_sampling, check_teacher, evaluate
+from opd.evaluation.report import render_summary, step_status, training_progress, write_report_plot
+from opd.evaluation.run_dir import RunDir
+from opd.evaluation.trajectories import RunEpisodes
+from opd.models import TokenizerMismatchError, check_tokenizers_match, load_tokenizer
+from opd.rollout.vanilla import episode_settings
 from opd.runtime.errors import RunError, WorkerError
-from opd.runtime.tracking import Trackers, require_backends
+from opd.runtime.run_state import RunState, StateError
+from opd.runtime.tracking import MetricsLog, require_backends
+from opd.schema import OPDConfig
 from opd.training.checkpoint import (CheckpointError, atomic_write_text, complete_checkpoints, latest_checkpoint,
                                      save_checkpoint, verified_checkpoints)
 from opd.training.trainer import peak_rss_mb
 
-__all__ = ["RESUMABLE_KEYS", "MetricsLog", "RunError", "recipe_changes", "train"]
+__all__ = ["RESUMABLE_KEYS", "RunError", "TrainingRun", "recipe_changes", "train"]
 
 # What a resumed run may change: how long it goes on, how often it evaluates and saves, where it
 # writes, and how long a call may take. Anything else would make the resumed run a different one.
@@ -47,40 +78,7 @@ RESUMABLE_KEYS = ("run.total_steps", "run.eval_every_steps", "run.save_every_ste
                   "resources.teacher_replicas", "resources.rollout_replicas", "resources.trainer_ranks")
 
 
-class MetricsLog:
-    """``metrics.jsonl`` plus :class:`~opd.runtime.tracking.Trackers` (tensorboard; wandb and
-    MLflow when the recipe asks). On resume, lines past the checkpoint are dropped so the file
-    reads as one uninterrupted run, and the trackers continue the same runs."""
-
-    def __init__(self, run_dir: Path, keep_until_step: int | None, cfg: Any, log: Any = print):
-        self.path = run_dir / "metrics.jsonl"
-        if keep_until_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and _line_step(line) <= keep_until_step]
-            atomic_write_text(self.path, "".join(line + "\n" for line in kept))
-        elif keep_until_step is None and self.path.exists():
-            # A fresh start in a directory whose earlier run never reached a checkpoint: keep
-            # that run's log beside the new one rather than deleting it.
-            self.path.rename(self.path.with_name(f"metrics.{int(time.time())}.jsonl"))
-        self.trackers = Trackers(run_dir, cfg, resumed_step=keep_until_step, log=log)
-
-    def write(self, step: int, record: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **record}) + "\n")
-        self.trackers.log(step, record)
-
-    def close(self, summary: dict[str, Any] | None = None, failed: bool = False) -> None:
-        self.trackers.close(summary, failed=failed)
-
-
-def _line_step(line: str) -> int:
-    try:
-        return int(json.loads(line).get("step", 0))
-    except (json.JSONDecodeError, TypeError, ValueError):
-        return 10**12  # an unreadable (half-written) line is dropped
-
-
-def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]:
+def train(cfg: OPDConfig, resume: bool = False, console: Any = None) -> dict[str, Any]:
     """Run the recipe; returns the summary (also written to ``summary.json``).
 
     An actor whose process dies (killed, out of memory, its node lost) ends that attempt; the run
@@ -89,205 +87,300 @@ def train(cfg: Any, resume: bool = False, console: Any = None) -> dict[str, Any]
     raised inside an actor (a bug, a NaN policy) or a hung call is not retried: it would recur.
     """
     log = console.log if console is not None else print
-    spawned: dict[str, Any] = {}
     restarts = 0
-    try:
-        while True:
-            try:
-                return _train_once(cfg, resume, console, spawned)
-            except WorkerError as exc:
-                if exc.kind != "died":
-                    raise
-                if restarts >= cfg.run.max_restarts:
-                    exc.add_note(f"no restart left (run.max_restarts={cfg.run.max_restarts})" if restarts == 0 else
-                                 f"after {restarts} restart(s), run.max_restarts={cfg.run.max_restarts}")
-                    raise
-                restarts += 1
-                last = complete_checkpoints(Path(cfg.run.output_dir))
-                log(f"[yellow]{exc}[/]; restarting every role from "
-                    f"{last[-1].name if last else 'the beginning (no checkpoint yet)'} "
-                    f"(restart {restarts} of {cfg.run.max_restarts}, run.max_restarts)")
-                if spawned.get("workers") is not None:
-                    spawned.pop("workers").shutdown()
-                resume = True
-    finally:  # the run's actors and their reservations end with it, whatever the outcome
-        if spawned.get("workers") is not None:
-            spawned.pop("workers").shutdown()
+    while True:
+        run = TrainingRun(cfg, resume, console)
+        try:
+            run.setup()
+            run.preflight()
+            run.train()
+            return run.summarize()
+        except WorkerError as exc:
+            if exc.kind != "died":
+                raise
+            if restarts >= cfg.run.max_restarts:
+                exc.add_note(f"no restart left (run.max_restarts={cfg.run.max_restarts})" if restarts == 0 else
+                             f"after {restarts} restart(s), run.max_restarts={cfg.run.max_restarts}")
+                raise
+            restarts += 1
+            last = complete_checkpoints(Path(cfg.run.output_dir))
+            log(f"[yellow]{exc}[/]; restarting every role from "
+                f"{last[-1].name if last else 'the beginning (no checkpoint yet)'} "
+                f"(restart {restarts} of {cfg.run.max_restarts}, run.max_restarts)")
+            resume = True
+        finally:  # the attempt's actors and their reservations end with it, whatever the outcome
+            run.shutdown()
 
 
-def _train_once(cfg: Any, resume: bool, console: Any, spawned: dict[str, Any]) -> dict[str, Any]:
-    """One attempt of :func:`train`; the Ray workers it starts go in ``spawned["workers"]``."""
-    from opd.algorithms import get_algorithm
-    from opd.algorithms.base import RunContext, StepRollouts
-    from opd.chat import ChatFormat
-    from opd.envs import EnvFactory
-    from opd.evaluation.heldout import check_sampling, check_teacher, evaluate
-    from opd.evaluation.trajectories import RunEpisodes
-    from opd.evaluation.report import Progress, render_summary, write_report_plot
-    from opd.models import TokenizerMismatchError, check_tokenizers_match, load_tokenizer
-    from opd.provisioning import resolve_model_path
-    from opd.rollout.vanilla import episode_settings
-    from opd.runtime.actors import spawn_workers
-    from opd.runtime.cluster import init_ray
-    from opd.runtime.local import spawn_local_workers
+class TrainingRun:
+    """One attempt of a run: call :meth:`setup`, :meth:`preflight`, :meth:`train`, then
+    :meth:`summarize`; :meth:`shutdown` ends the roles whatever happened."""
 
-    log = console.log if console is not None else print
-    run_dir = Path(cfg.run.output_dir)
-    existing = complete_checkpoints(run_dir)
-    if existing and not resume:
-        raise RunError(
-            f"{run_dir} already holds checkpoint {existing[-1].name}; pass --resume to continue that run, "
-            f"or set run.output_dir to a new directory (nothing was changed)."
-        )
-    if resume and (run_dir / "config.yaml").is_file():
-        changes = [c for c in recipe_changes((run_dir / "config.yaml").read_text(), cfg) if c[0] not in RESUMABLE_KEYS]
+    def __init__(self, cfg: OPDConfig, resume: bool, console: Any = None):
+        self.cfg, self.resume, self.console = cfg, resume, console
+        self.log: Callable[[str], None] = console.log if console is not None else print
+        self.run_dir = Path(cfg.run.output_dir)
+        self.state = RunState()
+        self.resumed = False
+        self.workers: Workers | None = None
+        self.placement: dict[str, list[dict[str, str]]] = {}  # the node of each role's actors (Ray only)
+
+    # -- setup ----------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Everything before the first evaluation: see the module docstring."""
+        self._check_run_dir()
+        require_backends(self.cfg)  # a recipe asking for an absent wandb / mlflow fails now, not after setup
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.run_dir / "config.yaml", to_yaml(self.cfg))
+        start = time.perf_counter()
+        student_path, teacher_path, tokenizers = self._models()
+        env_factory, train_tasks, eval_tasks = self._tasks()
+        self.workers = self._start_workers(student_path, teacher_path)
+        cfg = self.cfg
+        self.ctx = RunContext(cfg, self.workers, env_factory, train_tasks, eval_tasks,
+                              episode_settings(cfg, cfg.rollout.temperature),
+                              episode_settings(cfg, 0.0, cfg.run.eval_history),
+                              ChatFormat.from_tokenizer(tokenizers["student"]),
+                              RunEpisodes(self.run_dir, tokenizers, cfg.run.trajectory_every_steps,
+                                          cfg.run.trajectory_episodes),
+                              StepRollouts(cfg.run.async_steps, cfg.run.total_steps))
+        self.algorithm = get_algorithm(cfg.algorithm)
+        if self.resume:
+            self._load_checkpoint()
+        self.metrics = MetricsLog(self.run_dir, keep_until_step=self.state.step if self.resumed else None, cfg=cfg,
+                                  log=self.log)
+        self.log(f"setup took {time.perf_counter() - start:.1f}s; run directory: {self.run_dir}")
+        if cfg.run.async_steps:
+            self.log(_pipelining_note(cfg))
+
+    def _check_run_dir(self) -> None:
+        """A fresh run needs a directory without checkpoints; a resumed one, the same recipe."""
+        existing = complete_checkpoints(self.run_dir)
+        if existing and not self.resume:
+            raise RunError(f"{self.run_dir} already holds checkpoint {existing[-1].name}; pass --resume to continue "
+                           "that run, or set run.output_dir to a new directory (nothing was changed).")
+        saved = self.run_dir / "config.yaml"
+        if not (self.resume and saved.is_file()):
+            return
+        changes = [c for c in recipe_changes(saved.read_text(), self.cfg) if c[0] not in RESUMABLE_KEYS]
         if changes:
             listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changes[:12])
             raise RunError(
-                f"the recipe differs from the one {run_dir} was trained with ({run_dir / 'config.yaml'}) in "
-                f"{len(changes)} key(s): {listed}. A resumed run may change only {', '.join(RESUMABLE_KEYS)}; "
-                "run the changed recipe in a new run.output_dir (nothing was changed).", resumable=False
-            )
-    require_backends(cfg)  # a recipe asking for an absent wandb / mlflow fails now, not after setup
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
+                f"the recipe differs from the one {self.run_dir} was trained with ({saved}) in {len(changes)} key(s): "
+                f"{listed}. A resumed run may change only {', '.join(RESUMABLE_KEYS)}; run the changed recipe in a new "
+                "run.output_dir (nothing was changed).", resumable=False)
 
-    setup_start = time.perf_counter()
-    student_path = resolve_model_path(cfg.student, cfg.env, cfg.run.seed + 1, log)
-    teacher_path = resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, log)
-    student_tok = load_tokenizer(student_path, cfg.student.trust_remote_code)
-    teacher_tok = load_tokenizer(teacher_path, cfg.teacher.trust_remote_code)
-    try:
-        check_tokenizers_match(student_tok, teacher_tok)
-    except TokenizerMismatchError as exc:
-        if not cfg.supervision.cross_tokenizer:
-            raise ConfigError(f"keys 'student.path' ({student_path}) and 'teacher.path' ({teacher_path}): {exc} "
-                              "Or set supervision.cross_tokenizer: true to align the two over text spans.") from None
-        log(f"cross-tokenizer scoring (the tokenizers differ: {'; '.join(exc.problems)[:300]})")
-    else:
-        if cfg.supervision.cross_tokenizer:
-            log("supervision.cross_tokenizer is set but the tokenizers match: scoring re-tokenises anyway")
-    fmt = ChatFormat.from_tokenizer(student_tok)
-    env_factory = EnvFactory(cfg.env.id, dict(cfg.env.kwargs), cfg.env.module)
-    probe = env_factory()
-    train_tasks = probe.unwrapped.task_ids(cfg.env.train_split)
-    eval_tasks = probe.unwrapped.task_ids(cfg.env.eval_split)[: cfg.run.eval_episodes]
-    probe.close()
+    def _models(self) -> tuple[str, str, dict[str, Any]]:
+        """The student's and the teacher's model directories (built first where the recipe says)
+        and tokenizers, which must match unless ``supervision.cross_tokenizer`` aligns them."""
+        cfg = self.cfg
+        student_path = resolve_model_path(cfg.student, cfg.env, cfg.run.seed + 1, self.log)
+        teacher_path = resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, self.log)
+        tokenizers = {"student": load_tokenizer(student_path, cfg.student.trust_remote_code),
+                      "teacher": load_tokenizer(teacher_path, cfg.teacher.trust_remote_code)}
+        try:
+            check_tokenizers_match(tokenizers["student"], tokenizers["teacher"])
+        except TokenizerMismatchError as exc:
+            if not cfg.supervision.cross_tokenizer:
+                raise ConfigError(f"keys 'student.path' ({student_path}) and 'teacher.path' ({teacher_path}): {exc} "
+                                  "Or set supervision.cross_tokenizer: true to align the two over text spans.") from None
+            self.log(f"cross-tokenizer scoring (the tokenizers differ: {'; '.join(exc.problems)[:300]})")
+        else:
+            if cfg.supervision.cross_tokenizer:
+                self.log("supervision.cross_tokenizer is set but the tokenizers match: scoring re-tokenises anyway")
+        return student_path, teacher_path, tokenizers
 
-    placement: dict[str, list[dict[str, str]]] = {}  # the node of each role's actors (Ray only)
-    if cfg.run.backend == "local":  # the same roles in this process, without Ray (opd.runtime.local)
-        workers = spawn_local_workers(cfg, student_path, teacher_path)
-    else:
-        init_ray(cfg.resources)
-        workers = spawned["workers"] = spawn_workers(cfg, student_path, teacher_path)
-        placement = workers.placement()
-        if len({n["node_id"] for nodes in placement.values() for n in nodes}) > 1:
-            log("roles on nodes: " + "; ".join(
+    def _tasks(self) -> tuple[EnvFactory, list[str], list[str]]:
+        """The environment's factory, its train tasks and the held-out tasks evaluated."""
+        env_factory = EnvFactory.of(self.cfg.env)
+        probe = env_factory()
+        try:
+            train_tasks = probe.unwrapped.task_ids(self.cfg.env.train_split)
+            eval_tasks = probe.unwrapped.task_ids(self.cfg.env.eval_split)[: self.cfg.run.eval_episodes]
+        finally:
+            probe.close()
+        return env_factory, train_tasks, eval_tasks
+
+    def _start_workers(self, student_path: str, teacher_path: str) -> Workers:
+        """The roles: Ray actors, or with ``run.backend: local`` objects in this process."""
+        if self.cfg.run.backend == "local":
+            from opd.runtime.local import spawn_local_workers
+
+            return spawn_local_workers(self.cfg, student_path, teacher_path)
+        from opd.runtime.actors import spawn_workers
+        from opd.runtime.cluster import init_ray
+
+        init_ray(self.cfg.resources)
+        self.workers = workers = spawn_workers(self.cfg, student_path, teacher_path)
+        self.placement = workers.placement()
+        if len({n["node_id"] for nodes in self.placement.values() for n in nodes}) > 1:
+            self.log("roles on nodes: " + "; ".join(
                 f"{role} on " + ", ".join(f"{n['node_ip']} ({n['node_id'][:8]})" for n in nodes)
-                for role, nodes in placement.items()))
-    ctx = RunContext(cfg, workers, env_factory, train_tasks, eval_tasks,
-                     episode_settings(cfg, cfg.rollout.temperature), episode_settings(cfg, 0.0, cfg.run.eval_history), fmt,
-                     RunEpisodes(run_dir, {"student": student_tok, "teacher": teacher_tok},
-                                 cfg.run.trajectory_every_steps, cfg.run.trajectory_episodes),
-                     StepRollouts(cfg.run.async_steps, cfg.run.total_steps))
-    algorithm = get_algorithm(cfg.algorithm)
+                for role, nodes in self.placement.items()))
+        return workers
 
-    state: dict[str, Any] = {"step": 0, "train_time_s": 0.0, "evals": []}
-    found = _resume(run_dir, workers, log) if resume else None
-    if found:
-        path, state = found
-        workers.sync_weights()
-        log(f"resumed from {path} (step {state['step']})")
-    elif resume:
-        log(f"{run_dir} holds no complete checkpoint: starting from the beginning")
-    metrics = MetricsLog(run_dir, keep_until_step=state["step"] if found else None, cfg=cfg, log=log)
-    log(f"setup took {time.perf_counter() - setup_start:.1f}s; run directory: {run_dir}")
-    if cfg.run.async_steps:
-        log(_pipelining_note(cfg))
+    def _load_checkpoint(self) -> None:
+        """The newest checkpoint that verifies, into the workers and :attr:`state`; the ones that
+        do not are moved aside (``rejected-step_N``), saying why."""
+        rejected = []
+        for path, state, reason in verified_checkpoints(self.run_dir):
+            if state is None:
+                aside = path.with_name(f"rejected-{path.name}")
+                if aside.exists():  # rejected once before: keep both
+                    aside = path.with_name(f"rejected-{path.name}-{int(time.time())}")
+                path.rename(aside)
+                rejected.append(f"{path.name}: {reason}")
+                self.log(f"[yellow]skipped checkpoint {path.name}[/]: {reason}; moved to {aside.name}")
+                continue
+            self._resume_from(path, state)
+            return
+        if rejected:
+            raise RunError(f"no checkpoint in {self.run_dir / 'checkpoints'} verifies ({'; '.join(rejected)}); they were "
+                           "moved aside as rejected-step_N. Start the run afresh in a new run.output_dir.", resumable=False)
+        self.log(f"{self.run_dir} holds no complete checkpoint: starting from the beginning")
 
-    if not found:
-        record = {**evaluate(ctx, "teacher"), **evaluate(ctx, "student")}
-        state["teacher_success"] = record["eval/teacher_success"]
-        state["student_success_before"] = record["eval/student_success"]
-        state["evals"].append({"step": 0, **record})
-        metrics.write(0, record)
-        log(f"before training: teacher success {record['eval/teacher_success']:.2f}, "
-            f"student success {record['eval/student_success']:.2f} on {len(eval_tasks)} held-out tasks")
-        if algorithm.uses_teacher and cfg.run.teacher_check != "ignore":
-            check = check_teacher(record["eval/teacher_success"], record["eval/student_success"], len(eval_tasks))
-            state["teacher_check"] = check.as_dict()
+    def _resume_from(self, path: Path, state: dict[str, Any]) -> None:
+        try:
+            self.state = RunState.from_dict(state, str(path))
+            self.workers.load_checkpoint(str(path))
+        except StateError as exc:
+            raise RunError(f"checkpoint {path} was refused: {exc}", resumable=False) from None
+        except WorkerError as exc:
+            if isinstance(exc.cause, CheckpointError):
+                raise RunError(f"checkpoint {path} was refused: {exc.cause}. Nothing was loaded or changed.",
+                               resumable=False) from None
+            raise
+        self.resumed = True
+        self.workers.sync_weights()
+        self.log(f"resumed from {path} (step {self.state.step})")
+
+    # -- preflight ------------------------------------------------------------------------------
+    def preflight(self) -> None:
+        """Step 0's held-out evaluation of the teacher and the student, and the teacher check
+        (``run.teacher_check``); nothing for a resumed run, whose state has them."""
+        if self.resumed:
+            return
+        record = {**evaluate(self.ctx, "teacher"), **evaluate(self.ctx, "student")}
+        self.state.teacher_success = record["eval/teacher_success"]
+        self.state.student_success_before = record["eval/student_success"]
+        self.state.evals.append({"step": 0, **record})
+        self.metrics.write(0, record)
+        episodes = len(self.ctx.eval_tasks)
+        self.log(f"before training: teacher success {record['eval/teacher_success']:.2f}, "
+                 f"student success {record['eval/student_success']:.2f} on {episodes} held-out tasks")
+        if self.algorithm.uses_teacher and self.cfg.run.teacher_check != "ignore":
+            check = check_teacher(record["eval/teacher_success"], record["eval/student_success"], episodes)
+            self.state.teacher_check = check.as_dict()
             if not check.teacher_better:
-                _warn_or_stop(check.message(), "run.teacher_check", cfg.run.teacher_check, log)
+                _warn_or_stop(check.message(), "run.teacher_check", self.cfg.run.teacher_check, self.log)
 
-    nonfinite_streak = 0
-    progress = Progress(console, total=cfg.run.total_steps, start=state["step"])
-    step = state["step"]
-    finished = False
-    try:
-        for step in range(state["step"] + 1, cfg.run.total_steps + 1):
-            tracked = _reset_peak_rss()
-            step_metrics = algorithm.train_step(ctx, step)
-            if tracked:
-                step_metrics["memory/driver_peak_rss_mb"] = peak_rss_mb()
-            step_metrics["time/trajectory_write_s"] = ctx.episodes.take_seconds()
-            state["train_time_s"] += step_metrics["time/step_s"]
-            state["step"] = step
-            nonfinite_streak = nonfinite_streak + 1 if step_metrics.get("nonfinite_loss") else 0
-            greedy_valid = state["evals"][0].get("eval/student_valid_action_rate") if step == 1 else None
-            if greedy_valid is not None and cfg.run.sampling_check != "ignore" and "valid_action_rate" in step_metrics:
-                check = check_sampling(greedy_valid, step_metrics["valid_action_rate"], cfg.rollout.temperature)
-                state["sampling_check"] = check.as_dict()
-                if not check.sampling_ok:
-                    _warn_or_stop(check.message(algorithm.uses_teacher), "run.sampling_check", cfg.run.sampling_check, log)
-            if cfg.run.eval_every_steps and step % cfg.run.eval_every_steps == 0 and step < cfg.run.total_steps:
-                record = evaluate(ctx, "student", step)
-                step_metrics.update(record)
-                state["evals"].append({"step": step, **record})
-            metrics.write(step, step_metrics)
-            progress.update(step, step_metrics)
-            if nonfinite_streak >= cfg.trainer.max_nonfinite_steps:
-                last = latest_checkpoint(run_dir)
-                raise RunError(
-                    f"the loss was NaN or infinite for {nonfinite_streak} steps in a row (up to step {step}); "
-                    f"those micro-batches were skipped. Last complete checkpoint: "
-                    f"{last[0] if last else 'none'}. Lower trainer.learning_rate or check the losses' inputs."
-                )
-            last_step = step == cfg.run.total_steps
-            if last_step or (cfg.run.save_every_steps and step % cfg.run.save_every_steps == 0):
-                if last_step:
-                    record = evaluate(ctx, "student", step)
-                    state["student_success_after"] = record["eval/student_success"]
-                    state["evals"].append({"step": step, **record})
-                    metrics.write(step, record)
-                save_checkpoint(run_dir, step, workers.save_checkpoint, state, keep=cfg.run.keep_checkpoints)
-        finished = True
-    except Exception as exc:
-        exc.add_note(f"during training step {step} (steps done: {state['step']})")
-        raise
-    finally:
-        progress.close()
-        if not finished:  # an error or Ctrl-C: the wandb / MLflow runs end as failed
-            metrics.close(failed=True)
+    # -- train ----------------------------------------------------------------------------------
+    def train(self) -> None:
+        """The steps from the state's up to ``run.total_steps``: each logged, evaluated and
+        checkpointed at the recipe's cadence. A failure names the step it happened in."""
+        progress = training_progress(self.log, self.cfg.run.total_steps, self.state.step)
+        nonfinite_streak, step, finished = 0, self.state.step, False
+        try:
+            for step in range(self.state.step + 1, self.cfg.run.total_steps + 1):
+                metrics = self._step(step)
+                nonfinite_streak = nonfinite_streak + 1 if metrics.get("nonfinite_loss") else 0
+                self._check_sampling(step, metrics)
+                if self.cfg.run.eval_every_steps and step % self.cfg.run.eval_every_steps == 0 \
+                        and step < self.cfg.run.total_steps:
+                    metrics.update(self._evaluate_student(step))
+                self.metrics.write(step, metrics)
+                progress.advance(step, step_status(metrics, progress.status_width))
+                if nonfinite_streak >= self.cfg.trainer.max_nonfinite_steps:
+                    self._stop_nonfinite(step, nonfinite_streak)
+                self.save_checkpoint(step)
+            finished = True
+        except Exception as exc:
+            exc.add_note(f"during training step {step} (steps done: {self.state.step})")
+            raise
+        finally:
+            progress.close()
+            if not finished:  # an error or Ctrl-C: the wandb / MLflow runs end as failed
+                self.metrics.close(failed=True)
 
-    summary = {
-        "teacher_success": state.get("teacher_success"),
-        "student_success_before": state.get("student_success_before"),
-        "student_success_after": state.get("student_success_after"),
-        "steps": state["step"],
-        "train_time_s": state["train_time_s"],
-        "eval_episodes": len(eval_tasks),
-        **({"teacher_check": state["teacher_check"]} if state.get("teacher_check") else {}),
-        **({"sampling_check": state["sampling_check"]} if state.get("sampling_check") else {}),
-        "heldout": _heldout_figures(state["evals"]),
-        "run_dir": str(run_dir),
-        "time_split": _time_split(run_dir / "metrics.jsonl"),
-        **({"placement": placement} if placement else {}),
-    }
-    atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
-    metrics.close(summary)
-    write_report_plot(run_dir)
-    render_summary(console, summary, cfg)
-    return summary
+    def _step(self, step: int) -> dict[str, float]:
+        """The algorithm's step ``step``, with the driver's own figures; the state counts it."""
+        tracked = _reset_peak_rss()
+        metrics = self.algorithm.train_step(self.ctx, step)
+        if tracked:
+            metrics["memory/driver_peak_rss_mb"] = peak_rss_mb()
+        metrics["time/trajectory_write_s"] = self.ctx.episodes.take_seconds()
+        self.state.train_time_s += metrics["time/step_s"]
+        self.state.step = step
+        return metrics
+
+    def _check_sampling(self, step: int, metrics: dict[str, float]) -> None:
+        """After step 1: were its sampled actions valid about as often as greedy play's at step 0
+        (``run.sampling_check``)?"""
+        greedy_valid = self.state.evals[0].get("eval/student_valid_action_rate") if step == 1 else None
+        if greedy_valid is None or self.cfg.run.sampling_check == "ignore" or "valid_action_rate" not in metrics:
+            return
+        check = check_sampling(greedy_valid, metrics["valid_action_rate"], self.cfg.rollout.temperature)
+        self.state.sampling_check = check.as_dict()
+        if not check.sampling_ok:
+            _warn_or_stop(check.message(self.algorithm.uses_teacher), "run.sampling_check", self.cfg.run.sampling_check,
+                          self.log)
+
+    def _evaluate_student(self, step: int) -> dict[str, float]:
+        record = evaluate(self.ctx, "student", step)
+        self.state.evals.append({"step": step, **record})
+        return record
+
+    def _stop_nonfinite(self, step: int, streak: int) -> None:
+        last = latest_checkpoint(self.run_dir)
+        raise RunError(
+            f"the loss was NaN or infinite for {streak} steps in a row (up to step {step}); those micro-batches were "
+            f"skipped. Last complete checkpoint: {last[0] if last else 'none'}. Lower trainer.learning_rate or check "
+            "the losses' inputs.")
+
+    def save_checkpoint(self, step: int) -> None:
+        """At the recipe's cadence (``run.save_every_steps``) and after the last step, whose
+        held-out evaluation comes first: the trainer's state, its HF export and :attr:`state`."""
+        last_step = step == self.cfg.run.total_steps
+        if not (last_step or (self.cfg.run.save_every_steps and step % self.cfg.run.save_every_steps == 0)):
+            return
+        if last_step:
+            record = self._evaluate_student(step)
+            self.state.student_success_after = record["eval/student_success"]
+            self.metrics.write(step, record)
+        save_checkpoint(self.run_dir, step, self.workers.save_checkpoint, self.state.to_dict(),
+                        keep=self.cfg.run.keep_checkpoints)
+
+    # -- summarize ------------------------------------------------------------------------------
+    def summarize(self) -> dict[str, Any]:
+        """``summary.json`` from the state and the metrics, the trackers closed with it,
+        ``report.png``, and the table on the console."""
+        state = self.state
+        summary = {
+            "teacher_success": state.teacher_success,
+            "student_success_before": state.student_success_before,
+            "student_success_after": state.student_success_after,
+            "steps": state.step,
+            "train_time_s": state.train_time_s,
+            "eval_episodes": len(self.ctx.eval_tasks),
+            **({"teacher_check": state.teacher_check} if state.teacher_check else {}),
+            **({"sampling_check": state.sampling_check} if state.sampling_check else {}),
+            "heldout": state.heldout_figures(),
+            "run_dir": str(self.run_dir),
+            "time_split": RunDir(self.run_dir).time_split(),
+            **({"placement": self.placement} if self.placement else {}),
+        }
+        atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+        self.metrics.close(summary)
+        write_report_plot(self.run_dir)
+        render_summary(self.console, summary, self.cfg)
+        return summary
+
+    def shutdown(self) -> None:
+        """End the Ray actors and free their reservations (nothing to do on the local backend)."""
+        shutdown = getattr(self.workers, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        self.workers = None
 
 
 def _warn_or_stop(message: str, key: str, setting: str, log: Callable[[str], None]) -> None:
@@ -295,25 +388,6 @@ def _warn_or_stop(message: str, key: str, setting: str, log: Callable[[str], Non
     if setting == "error":
         raise RunError(f"{message} ({key}: error)")
     log(f"[bold yellow]warning:[/] {message}")
-
-
-def _heldout_figures(evals: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """The held-out figures besides success (mean return, turns and what the environment
-    reports: score, value, questions asked, ...) of the teacher, the student before training
-    and the student at the last evaluation."""
-    def of(record: dict[str, Any], who: str) -> dict[str, float]:
-        prefix = f"eval/{who}_"
-        return {k[len(prefix):]: v for k, v in record.items()
-                if k.startswith(prefix) and not k.endswith(("_time_s", "_success"))}
-
-    first = next((e for e in evals if e.get("step") == 0), None)
-    last = next((e for e in reversed(evals) if e.get("step", 0) > 0 and "eval/student_success" in e), None)
-    out = {}
-    if first is not None:
-        out["teacher"], out["student_before"] = of(first, "teacher"), of(first, "student")
-    if last is not None:
-        out["student_after"] = of(last, "student")
-    return {k: v for k, v in out.items() if v}
 
 
 def _reset_peak_rss() -> bool:
@@ -327,7 +401,7 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def _pipelining_note(cfg: Any) -> str:
+def _pipelining_note(cfg: OPDConfig) -> str:
     """What ``run.async_steps: 1`` will do with this recipe's placement (docs/performance.md)."""
     if cfg.run.backend == "local":
         return ("run.async_steps: 1 on the local backend: the same steps and staleness as on Ray, played one after "
@@ -341,50 +415,10 @@ def _pipelining_note(cfg: Any) -> str:
             "(docs/performance.md); the gain is for a rollout with a GPU of its own")
 
 
-def _resume(run_dir: Path, workers: Any, log: Any) -> tuple[Path, dict[str, Any]] | None:
-    """Load the newest checkpoint that verifies into the workers; move the ones that do not
-    aside (``rejected-step_N``), saying why. None when the directory holds no checkpoint."""
-    rejected = []
-    for path, state, reason in verified_checkpoints(run_dir):
-        if state is None:
-            aside = path.with_name(f"rejected-{path.name}")
-            if aside.exists():  # rejected once before: keep both
-                aside = path.with_name(f"rejected-{path.name}-{int(time.time())}")
-            path.rename(aside)
-            rejected.append(f"{path.name}: {reason}")
-            log(f"[yellow]skipped checkpoint {path.name}[/]: {reason}; moved to {aside.name}")
-            continue
-        try:
-            workers.load_checkpoint(str(path))
-        except WorkerError as exc:
-            if isinstance(exc.cause, CheckpointError):
-                raise RunError(f"checkpoint {path} was refused: {exc.cause}. Nothing was loaded or changed.",
-                               resumable=False) from None
-            raise
-        return path, state
-    if rejected:
-        raise RunError(f"no checkpoint in {run_dir / 'checkpoints'} verifies ({'; '.join(rejected)}); they were moved "
-                       "aside as rejected-step_N. Start the run afresh in a new run.output_dir.", resumable=False)
-    return None
-
-
-def recipe_changes(old_yaml: str, cfg: Any) -> list[tuple[str, Any, Any]]:
+def recipe_changes(old_yaml: str, cfg: OPDConfig) -> list[tuple[str, Any, Any]]:
     """``(dotted key, old, new)`` for every leaf where ``cfg`` differs from a saved ``config.yaml``."""
     from omegaconf import OmegaConf
 
     old = flatten(OmegaConf.to_container(OmegaConf.create(old_yaml), resolve=True))
     new = flatten(OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)), resolve=True))
     return [(key, old.get(key), new.get(key)) for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
-
-
-def _time_split(path: Path) -> dict[str, float]:
-    keys = ("time/generation_s", "time/teacher_scoring_s", "time/training_s", "time/weight_sync_s", "time/step_s")
-    totals = {k: 0.0 for k in keys}
-    steps = 0
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        if "time/step_s" in record:
-            steps += 1
-            for k in keys:
-                totals[k] += record.get(k, 0.0)
-    return {k.split("/")[1].removesuffix("_s") + "_s_per_step": v / max(steps, 1) for k, v in totals.items()}

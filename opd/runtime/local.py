@@ -1,9 +1,9 @@
 """``run.backend: local``: the run's three roles in this process, without Ray.
 
 The same algorithms, loop and evaluation as the Ray backend (:mod:`opd.runtime.actors`), over
-plain instances of the same classes: :class:`~opd.runtime.actors.TeacherWorker`,
-:class:`~opd.runtime.actors.RolloutWorker` and :class:`opd.training.trainer.StudentTrainer`
-(DeepSpeed on one rank, its group met over a file; or, with ``trainer.engine: torch``, plain
+plain instances of the same classes: :class:`~opd.runtime.workers.TeacherWorker`,
+:class:`~opd.runtime.workers.RolloutWorker` and :class:`opd.training.trainer.StudentTrainer`
+(DeepSpeed on one rank, its group met in an in-memory store; or, with ``trainer.engine: torch``, plain
 PyTorch, so that a machine with only torch and transformers trains). Every call is a Python call, so a
 ``breakpoint()`` in a loss, an environment or an algorithm stops in the ``opd`` process, and
 ``python -m pdb $(which opd) train RECIPE run.backend=local`` steps through a whole step. It also
@@ -44,10 +44,15 @@ from bdb import BdbQuit
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from opd.algorithms.base import Role
-from opd.runtime.actors import RolloutWorker, TeacherWorker, role_arguments
+from opd.algorithms.base import BatchPlan, Role, Scored
+from opd.envs import EnvFactory
+from opd.generation.base import TokenScores
+from opd.rollout.vanilla import EpisodeSettings
 from opd.runtime.errors import RunError, WorkerError
-from opd.trajectory import Trajectory
+from opd.runtime.workers import RolloutWorker, TeacherWorker, role_specs
+from opd.schema import OPDConfig, SupervisionConfig
+from opd.training.trainer import StudentTrainer
+from opd.trajectory import TokenBatch, Trajectory
 
 
 @dataclass
@@ -57,7 +62,7 @@ class LocalWorkers:
 
     teacher: TeacherWorker
     rollout: RolloutWorker
-    trainer: Any  # opd.training.trainer.StudentTrainer
+    trainer: StudentTrainer
 
     def _call(self, role: str, call: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -70,30 +75,30 @@ class LocalWorkers:
     def _host(self, who: Role) -> tuple[str, Any]:
         return ("rollout", self.rollout) if who == "student" else ("teacher", self.teacher)
 
-    def collect(self, who: Role, env_factory, tasks: list[str], settings, seed: int):
+    def collect(self, who: Role, env_factory: EnvFactory, tasks: list[str], settings: EpisodeSettings,
+                seed: int) -> tuple[list[Trajectory], dict[str, float]]:
         role, host = self._host(who)
         return self._call(role, "collect", host.collect, env_factory, tasks, settings, seed)
 
-    def collect_later(self, who: Role, env_factory, tasks: list[str], settings, seed: int) -> "_Done":
+    def collect_later(self, who: Role, env_factory: EnvFactory, tasks: list[str], settings: EpisodeSettings,
+                      seed: int) -> "_Done":
         """Played now: one process has nothing to overlap it with, so the pipelined loop runs
         its steps in the same order on the same weights as on Ray, one role after another."""
         return _Done(self.collect(who, env_factory, tasks, settings, seed))
 
-    def score(self, trajs: list[Trajectory], supervision: Any) -> list:
+    def score(self, trajs: list[Trajectory], supervision: SupervisionConfig) -> list[TokenScores]:
         return self._call("teacher", "score", self.teacher.score, trajs, supervision)
 
-    def score_for_training(self, trajs: list[Trajectory], supervision: Any):
-        from opd.algorithms.base import Scored
-
+    def score_for_training(self, trajs: list[Trajectory], supervision: SupervisionConfig) -> Scored:
         scores, (light, size) = self._call("teacher", "score", self.teacher.score_split, trajs, supervision)
         return Scored(light, size, scores)
 
-    def train(self, batch) -> dict[str, float]:
+    def train(self, batch: TokenBatch) -> dict[str, float]:
         return self._call("trainer", "train_step", self.trainer.train_step, batch)
 
-    def train_built(self, plan) -> dict[str, float]:
-        whole = plan.scored.whole if plan.scored is not None else None
-        return self._call("trainer", "train_step", self.trainer.train_built, plan.build, plan.trajs, whole, *plan.args)
+    def train_built(self, plan: BatchPlan) -> dict[str, float]:
+        parts = [plan.scored.whole] if plan.scored is not None else []  # one teacher: one part
+        return self._call("trainer", "train_step", self.trainer.train_built, plan.build, plan.trajs, plan.args, *parts)
 
     def sync_weights(self) -> dict[str, float]:
         """Trainer -> rollout engine: the exported weights, copied into the live model in place."""
@@ -124,7 +129,7 @@ class _Done:
         return self.value
 
 
-def spawn_local_workers(cfg: Any, student_path: str, teacher_path: str) -> LocalWorkers:
+def spawn_local_workers(cfg: OPDConfig, student_path: str, teacher_path: str) -> LocalWorkers:
     """The teacher, rollout worker and trainer of :func:`opd.runtime.actors.spawn_workers`, built
     in this process with the same arguments.
 
@@ -140,12 +145,9 @@ def spawn_local_workers(cfg: Any, student_path: str, teacher_path: str) -> Local
                            "no compiler). Ray is not needed.", resumable=False) from None
     import torch
 
-    from opd.training.trainer import StudentTrainer
-
-    threads, teacher_args, rollout_args, trainer_args = role_arguments(cfg, student_path, teacher_path)
+    specs = role_specs(cfg, student_path, teacher_path)
     # Once for the process: every role runs in it, one after another (each constructor below sets
     # the same count again, as it does in its own actor).
-    torch.set_num_threads(threads)
-    teacher_worker, rollout_worker = TeacherWorker(*teacher_args), RolloutWorker(*rollout_args)
-    trainer = StudentTrainer(*trainer_args)
-    return LocalWorkers(teacher=teacher_worker, rollout=rollout_worker, trainer=trainer)
+    torch.set_num_threads(specs.threads)
+    teacher_worker, rollout_worker = TeacherWorker(specs.teacher), RolloutWorker(specs.rollout)
+    return LocalWorkers(teacher=teacher_worker, rollout=rollout_worker, trainer=StudentTrainer(specs.trainer))

@@ -23,9 +23,13 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from opd.config import ConfigError, load_config
+from opd.envs import EnvFactory
+from opd.progress import Progress
+from opd.runtime.workers import EngineSpec, RolloutWorker
+from opd.schema import ModelConfig, OPDConfig
 from opd.training.checkpoint import CheckpointError, atomic_write_text, complete_checkpoints, verify_checkpoint
 
 
@@ -34,8 +38,8 @@ class PolicySource:
     """A resolved source: the recipe, the model section it plays with (engine, dtype), the
     model directory, a label for tables, a default result name and the results directory."""
 
-    cfg: Any
-    model_cfg: Any
+    cfg: OPDConfig
+    model_cfg: ModelConfig
     path: str
     label: str
     name: str
@@ -45,7 +49,7 @@ class PolicySource:
 def resolve_source(source: str, recipe: str | None, overrides: list[str], log: Any) -> PolicySource:
     """The policy ``source`` names (see the module docstring); :class:`ConfigError` when it
     names nothing that exists, naming what was looked for."""
-    from opd.provisioning import resolve_model_path
+    from opd.bootstrap import resolve_model_path
 
     spec, _, selector = source.rpartition("@") if "@" in source else (source, "", "")
     path = Path(spec)
@@ -94,22 +98,15 @@ def resolve_source(source: str, recipe: str | None, overrides: list[str], log: A
                       "(config.json) or a recipe (.yaml) that exists")
 
 
-def local_host(src: PolicySource) -> Any:
+def local_host(src: PolicySource) -> RolloutWorker:
     """The policy's engine, tokenizer and environment pool, in this process."""
-    from omegaconf import OmegaConf
-
-    from opd.runtime.actors import RolloutWorker
-
-    model_cfg = OmegaConf.to_container(src.model_cfg, resolve=True) if OmegaConf.is_config(src.model_cfg) else dict(src.model_cfg)
-    return RolloutWorker(model_cfg, src.path, src.cfg.resources.torch_threads)
+    return RolloutWorker(EngineSpec.of(src.model_cfg, src.path, src.cfg.resources.torch_threads))
 
 
-def _progress(log: Any, what: str, total: int, prefix: str):
-    """:class:`opd.provisioning.StageProgress` counted in steps of ``n``: returns it (a context
-    manager) and the ``advance(n)`` the grid and the comparison call."""
-    from opd.provisioning import StageProgress
-
-    progress, done = StageProgress(log, what, total, prefix=prefix), [0]
+def _progress(log: Any, what: str, total: int, prefix: str) -> tuple[Progress, Callable[[int], None]]:
+    """:class:`opd.progress.Progress` counted in steps of ``n``: returns it (a context manager)
+    and the ``advance(n)`` the grid and the comparison call."""
+    progress, done = Progress(log, what, total, prefix=prefix), [0]
 
     def advance(n: int) -> None:
         done[0] += n
@@ -118,11 +115,10 @@ def _progress(log: Any, what: str, total: int, prefix: str):
     return progress, advance
 
 
-def _close_pools(*hosts: Any) -> None:
-    """The environment processes of each host's pool (:meth:`RolloutWorker.envs`)."""
+def _close_pools(*hosts: RolloutWorker) -> None:
+    """The environment processes of each host's pool."""
     for host in hosts:
-        if getattr(host, "_pool", None) is not None:
-            host._pool.close()
+        host.close()
 
 
 def evaluate_command(source: str, recipe: str | None, overrides: list[str], console: Any, *, name: str | None = None,
@@ -131,7 +127,6 @@ def evaluate_command(source: str, recipe: str | None, overrides: list[str], cons
                      batch: int = 32, seed: int | None = None) -> dict[str, Any]:
     """``opd eval``: pass@k for k = 1 … ``samples`` over the turn-budget grid; writes
     ``<name>.json``, ``<name>.png`` and ``<name>.episodes.parquet`` and prints the tables."""
-    from opd.envs import EnvFactory
     from opd.evaluation.passk import GridSpec, budget_turns, play_grid, plot_grid, render_grid, summarise
     from opd.evaluation.trajectories import episode_rows, write_episodes
     from opd.rollout.vanilla import episode_settings
@@ -145,7 +140,7 @@ def evaluate_command(source: str, recipe: str | None, overrides: list[str], cons
     src = resolve_source(source, recipe, overrides, log)
     cfg = src.cfg
     split = split or cfg.env.eval_split
-    probe = EnvFactory(cfg.env.id, dict(cfg.env.kwargs), cfg.env.module)()
+    probe = EnvFactory.of(cfg.env)()
     try:
         task_ids = probe.unwrapped.task_ids(split)[: tasks or cfg.run.eval_episodes]
         max_turns = getattr(probe.unwrapped, "max_turns", None)
@@ -168,7 +163,7 @@ def evaluate_command(source: str, recipe: str | None, overrides: list[str], cons
         return host.collect(factory, task_list, settings, call_seed)[0]
 
     def factory_for(turns: int) -> EnvFactory:
-        return EnvFactory(cfg.env.id, {**dict(cfg.env.kwargs), "max_turns": turns}, cfg.env.module)
+        return EnvFactory.of(cfg.env, max_turns=turns)
 
     progress, advance = _progress(log, "episode", len(task_ids) * samples * len(spec.budgets), "eval")
     start = time.perf_counter()
@@ -200,7 +195,6 @@ def compare_command(source_a: str, source_b: str, recipe: str | None, overrides:
                     split: str | None = None, name: str | None = None, out: str | None = None) -> dict[str, Any]:
     """``opd compare A B``: matched-state comparison (:mod:`opd.evaluation.compare`); writes
     ``compare_<name>.json`` and prints the table."""
-    from opd.envs import EnvFactory
     from opd.evaluation.compare import (StateMismatch, compare_policies, references_from_expert, references_from_rows,
                                         references_from_trajectories, render_comparison)
     from opd.evaluation.trajectories import read_episodes
@@ -221,7 +215,7 @@ def compare_command(source_a: str, source_b: str, recipe: str | None, overrides:
         raise ConfigError(f"A ({src_a.path}) and B ({src_b.path}) must share a tokenizer, so both read the same "
                           f"context ids: {exc}") from None
     split = split or cfg.env.eval_split
-    factory = EnvFactory(cfg.env.id, dict(cfg.env.kwargs), cfg.env.module)
+    factory = EnvFactory.of(cfg.env)
     probe = factory()
     try:
         task_ids = probe.unwrapped.task_ids(split)[: tasks or cfg.run.eval_episodes]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opd.runtime.errors import RunError
+from opd.schema import ResourcesConfig
 
 ROLES = ("teacher", "rollout", "trainer")
 STRATEGIES = ("pack", "spread", "strict_pack", "strict_spread")
@@ -50,7 +51,7 @@ class RoleRequest:
         return f"{len(self.bundles)} bundle{'s' if len(self.bundles) != 1 else ''} of {shown}"
 
 
-def role_requests(resources: Any, replicas: dict[str, int] | None = None) -> list[RoleRequest]:
+def role_requests(resources: ResourcesConfig, replicas: dict[str, int] | None = None) -> list[RoleRequest]:
     """The three roles' requests from the recipe's ``resources`` (``<role>_cpus``,
     ``<role>_gpus``, ``placement``); ``replicas`` actors per role (default one)."""
     strategy = str(getattr(resources, "placement", "pack")).lower()

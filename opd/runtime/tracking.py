@@ -1,5 +1,5 @@
-"""Where a run's metrics go besides ``metrics.jsonl``: tensorboard always, Weights & Biases and
-MLflow when the recipe asks (``logging.wandb_project``, ``logging.mlflow``; docs/logging.md).
+"""Where a run's metrics go: ``metrics.jsonl`` (:class:`MetricsLog`), tensorboard always, Weights &
+Biases and MLflow when the recipe asks (``logging.wandb_project``, ``logging.mlflow``; docs/logging.md).
 
 Everything stays in the run directory and nothing needs the network unless the recipe says
 ``logging.wandb_mode: online``:
@@ -33,11 +33,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from opd.config import flatten, to_yaml
+from opd.evaluation.run_dir import METRICS_FILE, parse_metrics_line
 from opd.optional import optional_module
-from opd.schema import ConfigError
+from opd.schema import ConfigError, OPDConfig
 from opd.training.checkpoint import atomic_write_text
 
-__all__ = ["IDS_FILE", "Trackers", "require_backends", "scalars"]
+__all__ = ["IDS_FILE", "MetricsLog", "Trackers", "require_backends", "scalars"]
 
 IDS_FILE = "tracking_ids.json"
 _INSTALL = "`pip install {package}` (or `pip install -e .[tracking]`)"
@@ -68,7 +69,7 @@ class Trackers:
         ConfigError: a backend the recipe asks for is not installed, or wandb online cannot start.
     """
 
-    def __init__(self, run_dir: Path, cfg: Any, resumed_step: int | None, log: Callable[[str], Any] = print):
+    def __init__(self, run_dir: Path, cfg: OPDConfig, resumed_step: int | None, log: Callable[[str], Any] = print):
         self.run_dir = Path(run_dir)
         self._print = log
         self._closed = False
@@ -140,7 +141,41 @@ class Trackers:
             client.set_terminated(run_id, status="FAILED" if failed else "FINISHED")
 
 
-def require_backends(cfg: Any) -> tuple[Any, Any]:
+class MetricsLog:
+    """``metrics.jsonl`` plus :class:`Trackers` (tensorboard; wandb and MLflow when the recipe
+    asks). On resume, lines past the checkpoint are dropped so the file reads as one
+    uninterrupted run, and the trackers continue the same runs.
+
+    Args:
+        run_dir: the run directory.
+        keep_until_step: the step of the checkpoint a ``--resume`` continues from, or None for a
+            fresh run (whose directory may hold an earlier log, which is kept aside).
+        cfg: the validated config.
+        log: where the trackers' lines go.
+    """
+
+    def __init__(self, run_dir: Path, keep_until_step: int | None, cfg: OPDConfig, log: Callable[[str], Any] = print):
+        self.path = run_dir / METRICS_FILE
+        if keep_until_step is not None and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if (record := parse_metrics_line(line)) is not None and record["step"] <= keep_until_step]
+            atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+        elif keep_until_step is None and self.path.exists():
+            # A fresh start in a directory whose earlier run never reached a checkpoint: keep
+            # that run's log beside the new one rather than deleting it.
+            self.path.rename(self.path.with_name(f"metrics.{int(time.time())}.jsonl"))
+        self.trackers = Trackers(run_dir, cfg, resumed_step=keep_until_step, log=log)
+
+    def write(self, step: int, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **record}) + "\n")
+        self.trackers.log(step, record)
+
+    def close(self, summary: dict[str, Any] | None = None, failed: bool = False) -> None:
+        self.trackers.close(summary, failed=failed)
+
+
+def require_backends(cfg: OPDConfig) -> tuple[Any, Any]:
     """Import the backends the recipe asks for: ``(wandb or None, mlflow.tracking or None)``.
 
     The driver calls it before setup, so that a missing package fails the run in a second rather
@@ -172,14 +207,14 @@ def _read_ids(run_dir: Path) -> dict[str, str]:
     return {k: v for k, v in ids.items() if isinstance(v, str)} if isinstance(ids, dict) else {}
 
 
-def _recipe(cfg: Any) -> dict[str, Any]:
+def _recipe(cfg: OPDConfig) -> dict[str, Any]:
     """The resolved recipe as plain data, exactly as written to ``config.yaml``."""
     import yaml
 
     return yaml.safe_load(to_yaml(cfg))
 
 
-def _start_wandb(wandb: Any, run_dir: Path, cfg: Any, run_id: str, log: Callable[[str], Any]) -> Any:
+def _start_wandb(wandb: Any, run_dir: Path, cfg: OPDConfig, run_id: str, log: Callable[[str], Any]) -> Any:
     mode = cfg.logging.wandb_mode
     # The console is the CLI's (a progress bar and one line per event): wandb's banner, its
     # end-of-run history and its capture of stdout would interleave with it. WANDB_SILENT also
@@ -208,7 +243,7 @@ def _start_wandb(wandb: Any, run_dir: Path, cfg: Any, run_id: str, log: Callable
     return run
 
 
-def _start_mlflow(mlflow_tracking: Any, run_dir: Path, cfg: Any, run_id: str | None,
+def _start_mlflow(mlflow_tracking: Any, run_dir: Path, cfg: OPDConfig, run_id: str | None,
                   log: Callable[[str], Any]) -> tuple[Any, str]:
     from mlflow.entities import Param
     from mlflow.exceptions import MlflowException

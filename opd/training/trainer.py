@@ -24,7 +24,8 @@ zero that keeps the graph, and the step reports ``nonfinite_loss``. The driver s
 after ``trainer.max_nonfinite_steps`` such steps in a row, with the last checkpoint intact.
 
 Example:
-    >>> trainer = StudentTrainer(cfg, model_dir="path/to/student")  # doctest: +SKIP
+    >>> trainer = StudentTrainer(TrainerSpec(cfg.trainer, (("reverse_kl", 1.0, {}),), "path/to/student",
+    ...                                      episodes_per_step=32))  # doctest: +SKIP
     >>> metrics = trainer.train_step(token_batch)  # doctest: +SKIP
 """
 
@@ -35,10 +36,9 @@ import json
 import logging
 import math
 import os
-import tempfile
 import time
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +47,13 @@ import torch
 from opd.generation.base import TokenScores
 from opd.generation.packed import causal_forward, head_logits_at, packed_forward
 from opd.losses import combined_loss, needs_reference, resolve_loss
+from opd.models import cpu_copy, load_model, load_tokenizer, save_model
+from opd.schema import TrainerConfig
 from opd.training.checkpoint import CheckpointError, check_pickles, safe_torch_load
 from opd.training.torch_engine import TorchEngine, grad_norm
-from opd.models import cpu_copy, load_model, load_tokenizer, save_model
 from opd.trajectory import TokenBatch, TokenRows
 
 log = logging.getLogger(__name__)
-GATHER_LOGPROBS = True  # False: every position's log-softmax, as before (bench/mfu.py measures one against the other)
 _WARNED: set[str] = set()  # model classes already warned about (once each)
 GROUP_FILE = "trainer.json"  # in a checkpoint: the trainer group's shape ({"ranks", "zero_stage"})
 
@@ -63,7 +63,7 @@ def init_distributed(rank: int = 0, world_size: int = 1, rendezvous: str | None 
     DeepSpeed needs: gloo on CPU, NCCL on GPU.
 
     One rank needs no rendezvous: it meets itself in an in-memory store. A group meets at
-    ``rendezvous`` (:func:`rendezvous_point`): ``file://PATH`` when every rank is on one node,
+    ``rendezvous`` (:func:`opd.runtime.actors.rendezvous_point`): ``file://PATH`` when every rank is on one node,
     ``tcp://IP:PORT`` (rank 0's node) across nodes. A file store listens on nothing; on one node
     gloo's own connections between ranks are kept on the loopback interface too.
     """
@@ -114,23 +114,6 @@ def loopback_interface() -> str | None:
     except (ImportError, OSError):
         pass
     return None
-
-
-def rendezvous_point(one_node: bool) -> str:
-    """Where a trainer group meets, made on the node of rank 0 (run it there): ``file://`` a
-    fresh file in a private temporary directory when every rank is on this node, else
-    ``tcp://THIS_NODE_IP:PORT`` with a port that was free a moment ago."""
-    if one_node:
-        return f"file://{Path(tempfile.mkdtemp(prefix='opd-dist-')) / 'rendezvous'}"
-    import socket
-
-    import ray
-
-    ip = ray.util.get_node_ip_address()
-    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as sock:
-        sock.bind((ip, 0))
-        port = sock.getsockname()[1]
-    return f"tcp://{'[' + ip + ']' if ':' in ip else ip}:{port}"
 
 
 def rank_rows(lengths: list[int], ranks: int) -> list[list[int]]:
@@ -326,6 +309,34 @@ def finish_metrics(sums: dict[str, float], weights: dict[str, float]) -> dict[st
     return {**sums, **{k: sums[k] / w if w > 0 else 0.0 for k, w in weights.items()}}
 
 
+@dataclass(frozen=True)
+class TrainerSpec:
+    """What a trainer rank is built from (:func:`opd.runtime.workers.role_specs` makes it from a
+    recipe); every rank of a group gets the same.
+
+    Attributes:
+        trainer: the recipe's ``trainer`` section.
+        loss_terms: ``(name, weight, args)`` of each term of the recipe's ``losses``.
+        model_dir: the student's starting weights and tokenizer.
+        episodes_per_step: ``rollout.episodes_per_step`` (with ``trainer.micro_batch_size``, the
+            accumulation steps DeepSpeed is configured with).
+        dtype, trust_remote_code: the student's.
+        torch_threads: torch's intra-op threads in the trainer's process (0: every core).
+        total_steps: ``run.total_steps``, the learning-rate schedule's length.
+        temperature: ``rollout.temperature``; the trained policy is softmax(logits / temperature).
+    """
+
+    trainer: TrainerConfig
+    loss_terms: tuple[tuple[str, float, dict], ...]
+    model_dir: str
+    episodes_per_step: int
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+    torch_threads: int = 0
+    total_steps: int = 1
+    temperature: float = 1.0
+
+
 class StudentTrainer:
     """Owns the training engine (DeepSpeed's, or :class:`~opd.training.torch_engine.TorchEngine`).
     Plain class; :mod:`opd.runtime.actors` hosts it in Ray, :mod:`opd.runtime.local` in the driver.
@@ -337,11 +348,10 @@ class StudentTrainer:
     Every call (a step, a checkpoint, the export of weights) is made on every rank at once.
     """
 
-    def __init__(self, trainer_cfg: Any, loss_terms: list[tuple[str, float, dict]], model_dir: str,
-                 episodes_per_step: int, dtype: str = "float32", trust_remote_code: bool = False,
-                 torch_threads: int = 0, total_steps: int = 1, temperature: float = 1.0, rank: int = 0,
-                 world_size: int = 1, rendezvous: str | None = None):
-        torch.set_num_threads(max(1, torch_threads or os.cpu_count() or 1))
+    def __init__(self, spec: TrainerSpec, rank: int = 0, world_size: int = 1, rendezvous: str | None = None):
+        torch.set_num_threads(max(1, spec.torch_threads or os.cpu_count() or 1))
+        trainer_cfg, loss_terms, model_dir, dtype = spec.trainer, list(spec.loss_terms), spec.model_dir, spec.dtype
+        trust_remote_code, temperature = spec.trust_remote_code, spec.temperature
         self.rank, self.world_size = int(rank), int(world_size)
         self.engine_kind = str(getattr(trainer_cfg, "engine", "deepspeed"))
         self.loss_terms = loss_terms
@@ -357,7 +367,7 @@ class StudentTrainer:
                           weight_decay=float(trainer_cfg.weight_decay))
         # The scheduler lives in the engine's checkpoint, so a resumed run continues its schedule.
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(
-            trainer_cfg.warmup_steps, total_steps, trainer_cfg.lr_schedule, trainer_cfg.min_lr_ratio))
+            trainer_cfg.warmup_steps, spec.total_steps, trainer_cfg.lr_schedule, trainer_cfg.min_lr_ratio))
         if dtype == "bfloat16" and not torch.cuda.is_available() and not cpu_has_bf16_kernels():
             log.warning("student.dtype=bfloat16 on a CPU without oneDNN's bfloat16 matmul kernels (no AVX-512): "
                         "its matrix products take a slow path (about 10x float32's here); float32 is faster "
@@ -368,7 +378,7 @@ class StudentTrainer:
         if needs_reference(loss_terms):
             self.reference = load_model(model_dir, dtype=dtype, trust_remote_code=trust_remote_code).eval()
             self.reference.requires_grad_(False)
-        accumulation_steps = max(1, episodes_per_step // (self.micro_batch_size * self.world_size))
+        accumulation_steps = max(1, spec.episodes_per_step // (self.micro_batch_size * self.world_size))
         self.zero_stage = int(trainer_cfg.zero_stage)
         if self.engine_kind == "torch" and self.world_size > 1:
             raise ValueError(f"trainer.engine=torch trains on one rank; resources.trainer_ranks={self.world_size} "
@@ -385,8 +395,8 @@ class StudentTrainer:
         self.gather_logprobs = reads_trained_positions_only(loss_terms)
         self.steps = 0
 
-    def _deepspeed_engine(self, model, optimizer, scheduler, accumulation_steps: int, trainer_cfg: Any, dtype: str,
-                          rendezvous: str | None):
+    def _deepspeed_engine(self, model, optimizer, scheduler, accumulation_steps: int, trainer_cfg: TrainerConfig,
+                          dtype: str, rendezvous: str | None):
         """DeepSpeed's engine over ``model`` on this trainer's group (gloo on CPU, NCCL on GPU).
         The batch sizes only satisfy DeepSpeed's check: the boundaries are set by hand."""
         import deepspeed
@@ -416,7 +426,7 @@ class StudentTrainer:
     def _student_logprobs(self, model, micro: TokenBatch, full_vocab: bool = True):
         """``model``'s logprobs on ``micro``: where the losses read them (see the module
         docstring), else at every position."""
-        if GATHER_LOGPROBS and self.gather_logprobs:
+        if self.gather_logprobs:
             full_vocab = full_vocab and needs_student_distribution(micro, self.loss_terms)
             return student_logprobs_at(model, micro, trained_positions_BT(micro), self.temperature, full_vocab)
         return student_logprobs(model, micro, self.temperature)
@@ -497,14 +507,11 @@ class StudentTrainer:
         metrics_sum["memory/trainer_peak_rss_mb"] = peak
         return metrics_sum
 
-    def train_built(self, build, trajs, scores, *args) -> dict[str, float]:
-        """:meth:`train_step` on ``build(trajs, scores, *args)``, built here: ``scores`` is a list
-        of :class:`~opd.generation.base.TokenScores`, ``None``, or Ray object refs each holding
-        one teacher replica's list, fetched here straight from the teachers."""
-        if scores and not isinstance(scores[0], TokenScores):
-            import ray
-
-            scores = [s for part in ray.get(list(scores)) for s in part]
+    def train_built(self, build, trajs, args: tuple, *score_parts: list[TokenScores]) -> dict[str, float]:
+        """:meth:`train_step` on ``build(trajs, scores, *args)``, built here: ``scores`` are the
+        teacher replicas' ``score_parts`` in order, joined (``None`` without any). Under Ray each
+        part arrives as an object ref the actor call resolves, straight from its teacher."""
+        scores = [s for part in score_parts for s in part] if score_parts else None
         return self.train_step(build(trajs, scores, *args))
 
     def _all_max(self, value: int) -> int:

@@ -15,7 +15,7 @@ from opd.chat import ChatFormat
 from opd.config import load_config
 from opd.envs import EnvFactory
 from opd.models import load_tokenizer
-from opd.provisioning import resolve_model_path
+from opd.bootstrap import resolve_model_path
 from opd.rollout.vanilla import EpisodeSettings
 from opd.runtime.actors import spawn_workers
 from opd.runtime.cluster import init_ray, listening_sockets

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 BARE = "deepspeed vllm pyarrow matplotlib tensorboard datasets pandas psutil mlflow wandb scipy"
 

@@ -375,7 +375,7 @@ def test_reward_kwargs_change_the_rewards_only_so_one_bootstrap_serves_both(sett
     # the same text, action for action, under either reward, with only the rewards differing.
     from types import SimpleNamespace
 
-    from opd.provisioning import data_kwargs
+    from opd.bootstrap.cache import data_kwargs
 
     def expert_episodes(**reward):
         env, out = ClinicalWorkupEnv(setting=setting, **SMALL, **reward), []

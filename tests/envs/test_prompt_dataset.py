@@ -226,12 +226,13 @@ def test_a_recipe_with_a_bad_kwarg_is_one_config_error(tmp_path) -> None:
 def test_the_bootstrap_learns_answers_from_the_expert_and_its_tokenizer_spells_numbers(tmp_path) -> None:
     from omegaconf import OmegaConf
 
-    from opd.provisioning import _policy, build_tokenizer, scripted_episode
+    from opd.bootstrap.rows import scripted_episode, scripted_policy
+    from opd.bootstrap.tokenizer import build_tokenizer
     from opd.schema import EnvConfig
 
     env = PromptDatasetEnv(path=ARITH)
     task = env.task_ids("train")[0]
-    steps = scripted_episode(env, task, _policy("expert", None), seed=0)
+    steps = scripted_episode(env, task, scripted_policy("expert", None), seed=0)
     assert steps == [(env.task(task).prompt, env.task(task).answer, True), ("Correct.", "", False)]
     env_cfg = OmegaConf.structured(EnvConfig(id=ENV_ID, kwargs={"path": ARITH}))
     tokenizer = build_tokenizer(env_cfg, vocab_size=320, cache_root=tmp_path, corpus_episodes=20)

@@ -21,6 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "data" / "tiny.yaml"
 STEPS = 4

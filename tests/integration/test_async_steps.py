@@ -13,6 +13,7 @@ give exactly the local backend's results, which plays it first in this one.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -62,16 +63,15 @@ def _replayed(run_dir: Path, weights: str, step: int) -> list[list[list[int]]]:
     (a model directory; "" for the run's initial student)."""
     from opd.algorithms.step import sample_tasks, step_seed
     from opd.config import load_config
+    from opd.bootstrap import resolve_model_path
     from opd.envs import EnvFactory
-    from opd.provisioning import resolve_model_path
     from opd.rollout.vanilla import episode_settings
-    from opd.runtime.actors import RolloutWorker, role_arguments
+    from opd.runtime.workers import RolloutWorker, role_specs
 
     cfg = load_config(run_dir / "config.yaml")
     student_path = resolve_model_path(cfg.student, cfg.env, cfg.run.seed + 1, lambda _: None)
-    _, _, (student, _, threads), _ = role_arguments(cfg, student_path, student_path)
-    worker = RolloutWorker(student, weights or student_path, threads)
-    factory = EnvFactory(cfg.env.id, dict(cfg.env.kwargs), cfg.env.module)
+    worker = RolloutWorker(replace(role_specs(cfg, student_path, student_path).rollout, path=weights or student_path))
+    factory = EnvFactory.of(cfg.env)
     probe = factory()
     train_tasks = probe.unwrapped.task_ids(cfg.env.train_split)
     probe.close()

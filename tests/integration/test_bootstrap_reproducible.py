@@ -1,5 +1,5 @@
 """The same bootstrap recipe gives the same weights whatever the machine's thread count: the SFT
-runs on a pinned number of threads (``opd.provisioning.BOOTSTRAP_THREADS``). Three builds of the
+runs on a pinned number of threads (``opd.bootstrap.cache.BOOTSTRAP_THREADS``). Three builds of the
 quickstart's teacher, shortened, each in its own process: at 1 and at 7 torch threads they are
 bit-identical; with the pin moved to 7 threads the weights differ, which is what the pin
 prevents (and what made one recipe's teacher score 75%, 87% and 92% on three machines)."""
@@ -19,13 +19,14 @@ BUILD = """
 import sys, torch
 threads, cache, pin = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 torch.set_num_threads(threads)
-import opd.provisioning as p
+import opd.bootstrap.build as build
+from opd.bootstrap import resolve_model_path
 if pin:
-    p.BOOTSTRAP_THREADS = pin
+    build.BOOTSTRAP_THREADS = pin  # where the build reads it (the cache key keeps the pinned 2)
 from opd.config import load_config
 cfg = load_config("recipes/quickstart.yaml", [f"teacher.bootstrap.cache_dir={cache}", "teacher.bootstrap.sft_steps=12",
                                               "teacher.bootstrap.n_episodes=100", "teacher.bootstrap.batch_size=8"])
-print("MODEL " + p.resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, lambda m: None))
+print("MODEL " + resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, lambda m: None))
 """
 
 

@@ -20,7 +20,7 @@ def test_run_survives_an_environment_that_raises_or_hangs(tmp_path, fault):
     from opd.cli import main
 
     from opd.config import load_config
-    from opd.provisioning import resolve_model_path
+    from opd.bootstrap import resolve_model_path
 
     cache = tmp_path.parent / "cache"
     run = tmp_path / "run"

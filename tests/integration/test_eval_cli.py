@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from opd.evaluation.passk import pass_at_k
+
+pytestmark = pytest.mark.integration
 
 TINY = Path(__file__).resolve().parents[1] / "data" / "tiny.yaml"
 

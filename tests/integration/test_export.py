@@ -55,7 +55,7 @@ def test_export_writes_a_model_that_transformers_and_vllm_load_with_the_trainers
 
     from opd.cli import main
     from opd.schema import TrainerConfig
-    from opd.training.trainer import StudentTrainer, token_logprobs
+    from opd.training.trainer import StudentTrainer, TrainerSpec, token_logprobs
     from opd.trajectory import TokenBatch
 
     out = tmp_path / "model"
@@ -72,8 +72,8 @@ def test_export_writes_a_model_that_transformers_and_vllm_load_with_the_trainers
 
     from omegaconf import OmegaConf
 
-    trainer = StudentTrainer(OmegaConf.structured(TrainerConfig(zero_stage=3, micro_batch_size=1)),
-                             [("reverse_kl", 1.0, {})], str(out), episodes_per_step=1)
+    trainer = StudentTrainer(TrainerSpec(OmegaConf.structured(TrainerConfig(zero_stage=3, micro_batch_size=1)),
+                                         (("reverse_kl", 1.0, {}),), str(out), episodes_per_step=1))
     trainer.load_checkpoint(str(run_dir / "checkpoints" / "step_2"))
 
     def logprobs(fn, sequences):

@@ -11,6 +11,8 @@ import pytest
 
 from opd.runtime.placement import PlacementError, reserve, role_requests
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def local_ray():

@@ -34,7 +34,7 @@ def _cfg(tmp_path, *overrides):
 
 
 def _paths(cfg):
-    from opd.provisioning import resolve_model_path
+    from opd.bootstrap import resolve_model_path
 
     return (resolve_model_path(cfg.student, cfg.env, cfg.run.seed + 1, print),
             resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, print))

@@ -15,6 +15,8 @@ import pytest
 
 from tests.integration.ray_head import RAY, started_head, user_env
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "data" / "tiny.yaml"
 OPD = Path(RAY).with_name("opd")

@@ -17,6 +17,8 @@ import pytest
 
 from tests.integration.ray_head import free_port, started_head, user_env
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "data" / "tiny.yaml"
 

@@ -42,12 +42,13 @@ def _group(model_dir: str, stage: int, ranks: int) -> list:
     """``ranks`` trainer actors meeting through a file rendezvous, as spawn_workers starts them."""
     import ray
 
-    from opd.training.trainer import StudentTrainer, rendezvous_point
+    from opd.runtime.actors import rendezvous_point
+    from opd.training.trainer import StudentTrainer, TrainerSpec
 
     rendezvous = ray.get(ray.remote(rendezvous_point).remote(True)) if ranks > 1 else None
     actor = ray.remote(StudentTrainer).options(num_cpus=0.5)
-    return [actor.remote(_cfg(stage), TERMS, model_dir, 4, torch_threads=1, rank=r, world_size=ranks,
-                         rendezvous=rendezvous) for r in range(ranks)]
+    spec = TrainerSpec(_cfg(stage), tuple(TERMS), model_dir, 4, torch_threads=1)
+    return [actor.remote(spec, rank=r, world_size=ranks, rendezvous=rendezvous) for r in range(ranks)]
 
 
 def _step(group: list, batch) -> tuple[list[dict], list]:

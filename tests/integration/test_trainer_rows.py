@@ -80,7 +80,7 @@ def _packed(batch, gen):
 def test_any_row_count_gives_the_whole_batch_gradient(rows, packed, batch_tokens, stage, tokenizer, fmt, tiny_model_dir):
     from opd.losses import combined_loss
     from opd.models import load_model
-    from opd.training.trainer import StudentTrainer, token_logprobs
+    from opd.training.trainer import StudentTrainer, TrainerSpec, token_logprobs
 
     # micro_batch_tokens splits the micro-batches further, by length (rows are 12-24 tokens here).
     # ZeRO 0 keeps the gradients on the parameters and DeepSpeed reports no norm there: the trainer's own.
@@ -96,7 +96,7 @@ def test_any_row_count_gives_the_whole_batch_gradient(rows, packed, batch_tokens
     loss.backward()
     expected_norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None)).item()
 
-    trainer = StudentTrainer(cfg, terms, tiny_model_dir, episodes_per_step=4)
+    trainer = StudentTrainer(TrainerSpec(cfg, tuple(terms), tiny_model_dir, episodes_per_step=4))
     before = {k: v.clone() for k, v in trainer.export_weights().items()}
     metrics = trainer.train_step(batch)
     after = trainer.export_weights()
@@ -114,12 +114,12 @@ def test_reference_kl_anchors_to_the_starting_weights(tokenizer, fmt, tiny_model
 
     from opd.losses import combined_loss
     from opd.models import load_model
-    from opd.training.trainer import StudentTrainer, token_logprobs
+    from opd.training.trainer import StudentTrainer, TrainerSpec, token_logprobs
 
     cfg = OmegaConf.structured(TrainerConfig(learning_rate=1e-2, micro_batch_size=2, zero_stage=1, grad_clip_norm=1e9))
     terms = [("reverse_kl", 1.0, {}), ("reference_kl", 0.5, {})]
     batch = _batch(tokenizer, fmt, 4, seed=3)
-    trainer = StudentTrainer(cfg, terms, tiny_model_dir, episodes_per_step=4)
+    trainer = StudentTrainer(TrainerSpec(cfg, tuple(terms), tiny_model_dir, episodes_per_step=4))
     first = trainer.train_step(batch)
     assert first["reference_kl/kl"] == pytest.approx(0.0, abs=1e-7)
     moved = trainer.export_weights()

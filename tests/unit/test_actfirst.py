@@ -292,21 +292,21 @@ def test_evaluation_of_actfirst_shows_past_turns_as_actions_only(engine, tokeniz
 
 # ----- bootstrap targets ----------------------------------------------------------------------
 def test_plan_targets_are_long_and_keep_the_action_parseable(tokenizer, fmt):
-    from opd.provisioning import _actfirst_rows, _policy, _sft_row, scripted_episode
+    from opd.bootstrap.rows import actfirst_rows, scripted_episode, scripted_policy, sft_row
     import random
 
     env = FrozenLakeTextEnv(**KWARGS)
-    steps = scripted_episode(env, env.task_ids("train")[0], _policy("expert", random.Random(0)), seed=0)
-    row = _sft_row(steps, "t", tokenizer, fmt, think="plan")
+    steps = scripted_episode(env, env.task_ids("train")[0], scripted_policy("expert", random.Random(0)), seed=0)
+    row = sft_row(steps, "t", tokenizer, fmt, think="plan")
     for (start, end), (obs, action, _) in zip(row["response_positions"], steps):
         response = row["input_ids"][start:end]
         a_start, a_end = fmt.action_span(response)
         assert tokenizer.decode(response[a_start:a_end]) == action
         assert len(response) >= 8 * (a_end - a_start + 1)  # the think budget the benchmark relies on
         assert tokenizer.decode(response).startswith("<think> State: ")
-    plain = _sft_row(steps, "t", tokenizer, fmt)
+    plain = sft_row(steps, "t", tokenizer, fmt)
     assert all(end - start == len(tokenizer.encode(a)) + 1 for (start, end), (_, a, _) in zip(plain["response_positions"], steps))
-    rows = _actfirst_rows(steps, tokenizer, fmt, 1.0, "", random.Random(0))
+    rows = actfirst_rows(steps, tokenizer, fmt, 1.0, "", random.Random(0))
     assert len(rows) == len(steps) - 1
     for k, row in enumerate(rows):
         text = tokenizer.decode(row["input_ids"])
@@ -316,7 +316,7 @@ def test_plan_targets_are_long_and_keep_the_action_parseable(tokenizer, fmt):
         assert "<think>" not in text  # every context is state-grounded: actions and observations only
     assert {REFERENCE_HEADER in tokenizer.decode(r["input_ids"]) for r in rows} == {True, False}
     # With a think format, some turns are the standard prompt answered with the full response.
-    planned = [r for seed in range(4) for r in _actfirst_rows(steps, tokenizer, fmt, 1.0, "plan", random.Random(seed))]
+    planned = [r for seed in range(4) for r in actfirst_rows(steps, tokenizer, fmt, 1.0, "plan", random.Random(seed))]
     full = [r for r in planned if ACTION_ONLY_INSTRUCTION not in tokenizer.decode(r["input_ids"])]
     assert full and all(tokenizer.decode([i for i, m in zip(r["input_ids"], r["loss_mask"]) if m]).startswith("<think>")
                         for r in full)
@@ -330,14 +330,14 @@ def test_state_grounded_sft_rows_train_each_response_in_its_state_grounded_conte
     import random
 
     from opd.chat import first_prompt_ids, next_prompt_ids
-    from opd.provisioning import _policy, _response_ids, _sft_row, scripted_episode
+    from opd.bootstrap.rows import response_ids, scripted_episode, scripted_policy, sft_row
     from opd.training.trainer import token_logprobs
     from opd.trajectory import TokenBatch
 
     env = FrozenLakeTextEnv(**{**KWARGS, "max_turns": 8})
-    steps = next(s for seed in range(50) for s in [scripted_episode(env, env.task_ids("train")[seed], _policy(
+    steps = next(s for seed in range(50) for s in [scripted_episode(env, env.task_ids("train")[seed], scripted_policy(
         "expert", random.Random(seed)), seed=seed, explore_prob=0.4)] if len(s) > 4 and not all(t for *_, t in s[:-1]))
-    row = _sft_row(steps, "t", tokenizer, fmt, think="plan", history="state_grounded")
+    row = sft_row(steps, "t", tokenizer, fmt, think="plan", history="state_grounded")
     plain = TokenBatch.from_rows([{k: v for k, v in row.items() if k not in ("position_ids", "branch_ids")}], fmt.pad_id)
     packed = TokenBatch.from_rows([row], fmt.pad_id)
     assert plain.branch_ids_BT is None and packed.branch_ids_BT is not None
@@ -349,7 +349,7 @@ def test_state_grounded_sft_rows_train_each_response_in_its_state_grounded_conte
     history: list[int] = []
     for k, (obs, action, train_on) in enumerate(steps[:-1]):
         prompt = history + (first_prompt_ids(fmt, tokenizer, obs) if k == 0 else next_prompt_ids(fmt, tokenizer, obs))
-        response = _response_ids(obs, action, tokenizer, fmt, "plan")[0]
+        response = response_ids(obs, action, tokenizer, fmt, "plan")[0]
         with torch.no_grad():
             want = token_logprobs(model, TokenBatch.from_rows([{"input_ids": prompt + response,
                                                                 "attention_mask": [1] * (len(prompt) + len(response))}],
@@ -359,28 +359,7 @@ def test_state_grounded_sft_rows_train_each_response_in_its_state_grounded_conte
         torch.testing.assert_close(got[index], want, atol=1e-5, rtol=1e-5)
         assert {row["loss_mask"][i] for i in index} == {1.0 if train_on else 0.0}
         history = prompt + tokenizer.encode(action, add_special_tokens=False) + [fmt.im_end_id, *fmt.newline_ids]
-    assert sum(row["loss_mask"]) == sum(len(_response_ids(o, a, tokenizer, fmt, "plan")[0]) for o, a, t in steps[:-1] if t)
-
-
-def test_default_bootstrap_options_keep_existing_cache_keys():
-    from pathlib import Path
-
-    from opd.config import load_config
-    from opd.provisioning import bootstrap_key
-
-    tiny = load_config(Path(__file__).resolve().parents[1] / "data" / "tiny.yaml")
-    # Pinned: think/action_only_prob at their defaults leave the key as it was before they existed
-    # (since the key also names the build environment: torch, the CPU kernels, the thread count).
-    from opd.provisioning import build_environment
-
-    if build_environment() != {"torch": "2.13.0", "cpu": "AVX2", "threads": "2"}:
-        pytest.skip(f"the pinned key is this project's machines' ({build_environment()} here)")
-    assert bootstrap_key(tiny.teacher.bootstrap, tiny.env, 0) == "4c0904d80b68180d"
-    tiny.teacher.bootstrap.history = "state_grounded"
-    assert bootstrap_key(tiny.teacher.bootstrap, tiny.env, 0) != "4c0904d80b68180d"
-    tiny.teacher.bootstrap.history = "full"
-    tiny.teacher.bootstrap.think = "plan"
-    assert bootstrap_key(tiny.teacher.bootstrap, tiny.env, 0) != "4c0904d80b68180d"
+    assert sum(row["loss_mask"]) == sum(len(response_ids(o, a, tokenizer, fmt, "plan")[0]) for o, a, t in steps[:-1] if t)
 
 
 def test_lockstep_decode_metrics_count_each_turns_longest_response_over_its_live_rows():

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from opd import provisioning as bootstrap
+from opd.bootstrap import build_bootstrap_model
+from opd.bootstrap.cache import bootstrap_key
+from opd.bootstrap.rows import expert_labelled_rows
 from opd.chat import ChatFormat, student_sequence
 from opd.envs import EnvFactory
 from opd.generation.hf import HFEngine
@@ -31,7 +33,7 @@ def _boot(tmp_path: Path, **kw) -> BootstrapConfig:
 def test_every_turn_the_model_played_is_labelled_with_the_experts_action_in_the_state_it_reached(tmp_path):
     env_cfg = OmegaConf.structured(EnvConfig(id="opd/FrozenLakeText-v0", kwargs=ENV))
     # A weak policy (random valid moves, few steps) errs, so its states leave the expert's path.
-    base = bootstrap.build_bootstrap_model(_boot(tmp_path, policy="random_valid", n_episodes=8), env_cfg, seed=0,
+    base = build_bootstrap_model(_boot(tmp_path, policy="random_valid", n_episodes=8), env_cfg, seed=0,
                                            log=lambda _: None)
     tokenizer = load_tokenizer(base)
     fmt = ChatFormat.from_tokenizer(tokenizer)
@@ -42,7 +44,7 @@ def test_every_turn_the_model_played_is_labelled_with_the_experts_action_in_the_
                          seed=0)
     labelled = off_path = 0
     for traj in trajs:
-        rows = bootstrap.expert_labelled_rows(traj, tokenizer, fmt)
+        rows = expert_labelled_rows(traj, tokenizer, fmt)
         played = student_sequence(traj, fmt)
         assert len(rows) == len(traj.turns)  # FrozenLake's expert acts in every state
         replay = factory()
@@ -62,18 +64,15 @@ def test_every_turn_the_model_played_is_labelled_with_the_experts_action_in_the_
 
 def test_a_dagger_build_plays_the_init_model_and_names_it_in_the_key(tmp_path, monkeypatch):
     env_cfg = OmegaConf.structured(EnvConfig(id="opd/FrozenLakeText-v0", kwargs=ENV))
-    base = bootstrap.build_bootstrap_model(_boot(tmp_path, n_episodes=8), env_cfg, seed=0, log=lambda _: None)
+    base = build_bootstrap_model(_boot(tmp_path, n_episodes=8), env_cfg, seed=0, log=lambda _: None)
     plain = _boot(tmp_path, n_episodes=8, init=base, tokenizer=base)
     dagger = _boot(tmp_path, n_episodes=8, init=base, tokenizer=base, dagger_episodes=6)
-    assert bootstrap.bootstrap_key(plain, env_cfg, 0) != bootstrap.bootstrap_key(dagger, env_cfg, 0)
-    # Off, its temperature stays out of the key: models built before the option keep theirs.
-    plain_hot = _boot(tmp_path, n_episodes=8, init=base, tokenizer=base, dagger_temperature=0.3)
-    assert bootstrap.bootstrap_key(plain, env_cfg, 0) == bootstrap.bootstrap_key(plain_hot, env_cfg, 0)
+    assert bootstrap_key(plain, env_cfg, 0) != bootstrap_key(dagger, env_cfg, 0)
     colder = _boot(tmp_path, n_episodes=8, init=base, tokenizer=base, dagger_episodes=6, dagger_temperature=0.0)
-    assert bootstrap.bootstrap_key(colder, env_cfg, 0) != bootstrap.bootstrap_key(dagger, env_cfg, 0)
+    assert bootstrap_key(colder, env_cfg, 0) != bootstrap_key(dagger, env_cfg, 0)
 
     lines: list[str] = []
-    built = bootstrap.build_bootstrap_model(dagger, env_cfg, seed=0, log=lines.append)
+    built = build_bootstrap_model(dagger, env_cfg, seed=0, log=lines.append)
     assert (Path(built) / "model.safetensors").is_file()
     closing = [line for line in lines if "turns labelled by the expert" in line]
     assert len(closing) == 1 and " of 6 solved by the init model, " in closing[0], lines
@@ -84,10 +83,10 @@ def test_a_dagger_build_plays_the_init_model_and_names_it_in_the_key(tmp_path, m
 
     # An env whose expert names no action (stood in for by dropping every label) stops the build
     # after its first chunk of episodes, naming the key.
-    monkeypatch.setattr(bootstrap, "expert_labelled_rows", lambda *args, **kwargs: [])
-    monkeypatch.setattr(bootstrap, "PROGRESS_MIN_INTERVAL_S", 0.0)  # a line at every tenth, had it gone on
+    monkeypatch.setattr("opd.bootstrap.build.expert_labelled_rows", lambda *args, **kwargs: [])
+    monkeypatch.setattr("opd.progress.MIN_INTERVAL_S", 0.0)  # a line at every tenth, had it gone on
     played: list[str] = []
     with pytest.raises(ValueError, match=r"key 'bootstrap.dagger_episodes': env 'opd/FrozenLakeText-v0' named no expert"):
-        bootstrap.build_bootstrap_model(_boot(tmp_path, n_episodes=8, init=base, tokenizer=base, dagger_episodes=40),
+        build_bootstrap_model(_boot(tmp_path, n_episodes=8, init=base, tokenizer=base, dagger_episodes=40),
                                         env_cfg, seed=0, log=played.append)
     assert not any("DAgger episode" in line and "/40" in line for line in played)  # stopped before a tenth's line

@@ -1,5 +1,5 @@
 """The bootstrap's hinted turns (``bootstrap.hint_prob``): how a tiny student learns to read
-PivotOPD's hint line, and that the option leaves other models' cache keys alone."""
+PivotOPD's hint line, and the option's place in the cache key."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import random
 
 from omegaconf import OmegaConf
 
+from opd.bootstrap.cache import bootstrap_key
+from opd.bootstrap.rows import hint_rows
 from opd.schema import BootstrapConfig, EnvConfig
 from opd.supervision.pivot import hint_text
-from opd.provisioning import bootstrap_key, hint_rows
 
 
 def test_hinted_rows_train_only_the_hinted_turn(tokenizer, fmt):
@@ -27,7 +28,7 @@ def test_hinted_rows_train_only_the_hinted_turn(tokenizer, fmt):
     assert hint_text(0, "down", "right") in tokenizer.decode(rows[0]["input_ids"])
 
 
-def test_hint_and_seed_options_keep_default_cache_keys():
+def test_a_pinned_seed_is_the_argument_and_hints_name_their_own_key():
     env = OmegaConf.structured(EnvConfig(id="opd/FrozenLakeText-v0"))
     plain = OmegaConf.structured(BootstrapConfig())
     pinned = OmegaConf.structured(BootstrapConfig(seed=3))

@@ -12,7 +12,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from opd import provisioning as bootstrap
+from opd.bootstrap import build_bootstrap_model
+from opd.bootstrap.cache import bootstrap_key
+from opd.bootstrap.rows import env_state_of, plan_text, sft_row
+from opd.bootstrap.sft import initial_model, sft
+from opd.models import tiny_qwen3
+from opd.progress import Progress
 from opd.schema import BootstrapConfig, EnvConfig
 
 
@@ -27,10 +32,10 @@ def test_length_grouped_sft_makes_the_padded_update(tokenizer, fmt, monkeypatch)
     boot.arch.hidden_size, boot.arch.num_heads, boot.arch.num_layers = 64, 1, 1
     params = {}
     for cap in (0, 100):  # 0: one forward of 6 x 90 padded tokens; 100: one or two rows per forward
-        monkeypatch.setattr(bootstrap, "SFT_BATCH_TOKENS", cap)
-        model = bootstrap.tiny_qwen3(tokenizer, boot.arch, seed=0).train()
+        monkeypatch.setattr("opd.bootstrap.sft.SFT_BATCH_TOKENS", cap)
+        model = tiny_qwen3(tokenizer, boot.arch, seed=0).train()
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        bootstrap.sft(model, rows, fmt.pad_id, boot, seed=0, log=lambda _: None)
+        sft(model, rows, fmt.pad_id, boot, seed=0, log=lambda _: None)
         params[cap] = model.state_dict()
     moved = max((params[0][k] - before[k]).abs().max().item() for k in before)
     assert moved > 1e-3  # the steps did train
@@ -50,9 +55,9 @@ def test_head_at_targets_sft_makes_the_full_head_update(tokenizer, fmt):
     for name in ("", "a-real-tokenizer"):
         boot = OmegaConf.structured(BootstrapConfig(sft_steps=3, batch_size=3, learning_rate=1e-2, tokenizer=name))
         boot.arch.hidden_size, boot.arch.num_heads, boot.arch.num_layers = 64, 1, 1
-        model = bootstrap.tiny_qwen3(tokenizer, boot.arch, seed=0).train()
+        model = tiny_qwen3(tokenizer, boot.arch, seed=0).train()
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        bootstrap.sft(model, rows, fmt.pad_id, boot, seed=0, log=lambda _: None)
+        sft(model, rows, fmt.pad_id, boot, seed=0, log=lambda _: None)
         params[name] = model.state_dict()
     assert max((params[""][k] - before[k]).abs().max().item() for k in before) > 1e-3  # the steps did train
     assert max((params[""][k] - params["a-real-tokenizer"][k]).abs().max().item() for k in before) < 1e-5
@@ -60,13 +65,13 @@ def test_head_at_targets_sft_makes_the_full_head_update(tokenizer, fmt):
 
 def test_a_bootstrap_build_reports_its_progress(tmp_path, monkeypatch):
     # Every tenth of each stage (the minimum interval off: this build takes seconds), then a closing line.
-    monkeypatch.setattr(bootstrap, "PROGRESS_MIN_INTERVAL_S", 0.0)
+    monkeypatch.setattr("opd.progress.MIN_INTERVAL_S", 0.0)
     env = OmegaConf.structured(EnvConfig(id="opd/FrozenLakeText-v0", kwargs={"map_size": 4, "max_turns": 6}))
     boot = OmegaConf.structured(BootstrapConfig(n_episodes=20, sft_steps=10, batch_size=2, corpus_episodes=10,
                                                 tokenizer_vocab_size=300, cache_dir=str(tmp_path)))
     boot.arch.hidden_size, boot.arch.num_heads, boot.arch.num_layers, boot.arch.intermediate_size = 64, 1, 1, 128
     lines: list[str] = []
-    directory = bootstrap.build_bootstrap_model(boot, env, seed=0, log=lines.append)
+    directory = build_bootstrap_model(boot, env, seed=0, log=lines.append)
     assert (Path(directory) / "model.safetensors").is_file()
     assert lines[0].startswith("bootstrap: building the expert model of opd/FrozenLakeText-v0 (20 episodes, 10 SFT steps")
     corpus = [line for line in lines if line.startswith("bootstrap: tokenizer corpus episode ")]
@@ -79,13 +84,13 @@ def test_a_bootstrap_build_reports_its_progress(tmp_path, monkeypatch):
     assert re.search(r"SFT step 10/10, loss \d+\.\d{4} in \d+\.\ds$", steps[-1]) and "SFT sequences" in episodes[-1]
     # A second call finds the model in the cache: no build, nothing to report.
     lines.clear()
-    assert bootstrap.build_bootstrap_model(boot, env, seed=0, log=lines.append) == directory and lines == []
+    assert build_bootstrap_model(boot, env, seed=0, log=lines.append) == directory and lines == []
 
 
 def test_stage_progress_logs_each_tenth_at_most_every_few_seconds_and_a_bar_on_a_terminal():
     now = [0.0]
     lines: list[str] = []
-    progress = bootstrap.StageProgress(lines.append, "SFT step", total=100, clock=lambda: now[0])
+    progress = Progress(lines.append, "SFT step", total=100, prefix="bootstrap", clock=lambda: now[0])
     for k in range(1, 101):
         now[0] += 0.5 if k <= 50 else 2.0  # fast, then slow: the interval, then the tenths set the pace
         progress.advance(k, "loss 1.0000")
@@ -95,7 +100,7 @@ def test_stage_progress_logs_each_tenth_at_most_every_few_seconds_and_a_bar_on_a
     assert lines[5] == "bootstrap: SFT step 60/100, loss 1.0000 (45s, about 30s left)"
     lines.clear()
     now[0] = 0.0
-    progress = bootstrap.StageProgress(lines.append, "SFT step", total=100, clock=lambda: now[0])
+    progress = Progress(lines.append, "SFT step", total=100, prefix="bootstrap", clock=lambda: now[0])
     for k in range(1, 101):
         now[0] += 0.125  # 12.5 s in all: lines no closer than 5 s
         progress.advance(k)
@@ -105,7 +110,7 @@ def test_stage_progress_logs_each_tenth_at_most_every_few_seconds_and_a_bar_on_a
     from rich.console import Console
 
     console = Console(file=io.StringIO(), force_terminal=True, color_system=None, highlight=False, width=160)
-    with bootstrap.StageProgress(console.log, "SFT step", total=4) as progress:
+    with Progress(console.log, "SFT step", total=4, prefix="bootstrap") as progress:
         for k in range(1, 5):
             progress.advance(k, f"loss {k:.4f}")
         progress.finish("loss 4.0000")
@@ -123,7 +128,7 @@ def test_history_both_trains_each_episode_in_both_layouts(tmp_path):
                                                     tokenizer_vocab_size=300, cache_dir=str(tmp_path), history=history))
         boot.arch.hidden_size, boot.arch.num_heads, boot.arch.num_layers, boot.arch.intermediate_size = 64, 1, 1, 128
         lines: list[str] = []
-        built[history] = bootstrap.build_bootstrap_model(boot, env, seed=0, log=lines.append)
+        built[history] = build_bootstrap_model(boot, env, seed=0, log=lines.append)
         assert any(f"on 12 expert episodes ({12 * (2 if history == 'both' else 1)} sequences)" in line
                    for line in lines), lines
     assert built["full"] != built["both"]
@@ -132,16 +137,16 @@ def test_history_both_trains_each_episode_in_both_layouts(tmp_path):
 def test_a_pretrained_start_is_cut_to_its_first_blocks_and_named_in_the_cache_key(tokenizer, tmp_path):
     """``bootstrap.init`` starts the SFT from a saved model (SmolLM2 in the studies; a saved tiny
     model here), ``init_layers`` keeps its first blocks with their weights, and both name the
-    built model's cache entry, while leaving them unset keeps the keys of models built before."""
+    built model's cache entry."""
     from opd.models import save_model
 
     arch = OmegaConf.structured(BootstrapConfig()).arch
     arch.num_layers = 3
-    source = bootstrap.tiny_qwen3(tokenizer, arch, seed=7)
+    source = tiny_qwen3(tokenizer, arch, seed=7)
     save_model(source, tokenizer, tmp_path / "base")
 
     boot = OmegaConf.structured(BootstrapConfig(init=str(tmp_path / "base"), init_layers=2, tokenizer=str(tmp_path / "base")))
-    model = bootstrap.initial_model(boot, tokenizer, seed=0)
+    model = initial_model(boot, tokenizer, seed=0)
     assert len(model.model.layers) == model.config.num_hidden_layers == 2
     kept, original = model.state_dict(), source.state_dict()
     assert set(kept) == {k for k in original if not k.startswith("model.layers.2.")}
@@ -151,63 +156,58 @@ def test_a_pretrained_start_is_cut_to_its_first_blocks_and_named_in_the_cache_ke
 
     boot.init_layers = 5
     with pytest.raises(ValueError, match=r"'bootstrap.init_layers' is 5; .* has 3 transformer blocks"):
-        bootstrap.initial_model(boot, tokenizer, seed=0)
+        initial_model(boot, tokenizer, seed=0)
 
     env = OmegaConf.structured(EnvConfig(id="opd/FrozenLakeText-v0"))
     plain = OmegaConf.structured(BootstrapConfig())
-    keys = {bootstrap.bootstrap_key(b, env, 0) for b in (plain, OmegaConf.structured(BootstrapConfig(init="")),
+    keys = {bootstrap_key(b, env, 0) for b in (plain, OmegaConf.structured(BootstrapConfig(init="")),
                                                          OmegaConf.structured(BootstrapConfig(init_layers=0)))}
-    assert len(keys) == 1  # unset options leave the key as it was
+    assert len(keys) == 1  # the same settings, the same key
     pretrained = [OmegaConf.structured(BootstrapConfig(init=str(tmp_path / "base"), tokenizer="t", init_layers=n))
                   for n in (0, 2)]
-    assert len({bootstrap.bootstrap_key(b, env, 0) for b in pretrained} | keys) == 3
+    assert len({bootstrap_key(b, env, 0) for b in pretrained} | keys) == 3
 
 
-def test_a_plan_states_the_envs_state_line_and_an_env_of_its_own_gets_a_key_of_its_own(tokenizer, fmt, monkeypatch):
+def test_a_plan_states_the_envs_state_line(tokenizer, fmt):
     """``think: plan`` targets say ``State: <the env's state_line>``: FrozenLake's last line, the
-    clinical finding without its "Turns left" (not the reset's answer format). An env with its own
-    state line changes the targets, so its think models get a new cache key; others keep theirs."""
+    clinical finding without its "Turns left" (not the reset's answer format); a think model has a
+    cache key of its own."""
     from environments.clinical import ClinicalWorkupEnv
 
     frozen = OmegaConf.structured(EnvConfig(id="opd/FrozenLakeText-v0"))
     clinical = OmegaConf.structured(EnvConfig(id="opd/ClinicalWorkup-v0"))
-    assert bootstrap.env_state_of(frozen)("A F\nAround you: left wall.") == "Around you: left wall."
-    assert bootstrap.env_state_of(clinical) is ClinicalWorkupEnv.state_line
+    assert env_state_of(frozen)("A F\nAround you: left wall.") == "Around you: left wall."
+    assert env_state_of(clinical) is ClinicalWorkupEnv.state_line
     env = ClinicalWorkupEnv(n_train_tasks=5, n_eval_tasks=5)
     obs, info = env.reset(options={"task": env.task_ids("train")[0]})
-    first = bootstrap.plan_text(obs, info["expert_action"], bootstrap.env_state_of(clinical))
+    first = plan_text(obs, info["expert_action"], env_state_of(clinical))
     assert first == f"State: {obs.splitlines()[1]} Plan: {info['expert_action']}."
-    assert bootstrap.plan_text(obs, "x").startswith("State: Reply with")  # the default: the answer format
+    assert plan_text(obs, "x").startswith("State: Reply with")  # the default: the answer format
     steps = [(obs, info["expert_action"], True), ("Troponin: 6 ng/L (normal). Turns left: 10.", "commit discharge", True),
              ("Decision: ...", "", False)]
-    row = bootstrap._sft_row(steps, "t", tokenizer, fmt, think="plan", state_of=ClinicalWorkupEnv.state_line)
+    row = sft_row(steps, "t", tokenizer, fmt, think="plan", state_of=ClinicalWorkupEnv.state_line)
     (_, _), (start, end) = row["response_positions"]
     assert tokenizer.decode(row["input_ids"][start:end]).startswith("<think> State: Troponin: 6 ng/L (normal). Plan:")
 
     def key(env_cfg, think):
-        return bootstrap.bootstrap_key(OmegaConf.structured(BootstrapConfig(think=think)), env_cfg, 0)
+        return bootstrap_key(OmegaConf.structured(BootstrapConfig(think=think)), env_cfg, 0)
 
     assert key(clinical, "plan") != key(clinical, "") and key(frozen, "plan") != key(frozen, "")
-    hashed: list[dict] = []
-    monkeypatch.setattr(bootstrap, "_digest", lambda payload: hashed.append(payload) or "k")
-    key(frozen, "plan"), key(clinical, "plan")
-    assert "state_line" not in hashed[0]["boot"]  # FrozenLake's think models keep their key
-    assert hashed[1]["boot"]["state_line"] == 1
 
 
 def test_an_envs_data_version_is_in_the_key_so_a_changed_generator_retrains(monkeypatch):
     """ALFWorld's generated games carry a version (``GENERATOR_VERSION``): a bootstrap model
-    trained on games of another version gets another key. Envs without one keep their keys."""
+    trained on games of another version gets another key."""
     from environments.alfworld_env.env import ALFWorldTextEnv
 
     alfworld = OmegaConf.structured(EnvConfig(id="opd/ALFWorldText-v0", kwargs={"n_train_tasks": 4}))
     frozen = OmegaConf.structured(EnvConfig(id="opd/FrozenLakeText-v0"))
     boot = OmegaConf.structured(BootstrapConfig())
-    before = bootstrap.bootstrap_key(boot, alfworld, 0)
+    before = bootstrap_key(boot, alfworld, 0)
     assert ALFWorldTextEnv.data_version == "generator-v1"
     monkeypatch.setattr(ALFWorldTextEnv, "data_version", "generator-v2")
-    assert bootstrap.bootstrap_key(boot, alfworld, 0) != before
+    assert bootstrap_key(boot, alfworld, 0) != before
     hashed: list[dict] = []
-    monkeypatch.setattr(bootstrap, "_digest", lambda payload: hashed.append(payload) or "k")
-    bootstrap.bootstrap_key(boot, frozen, 0), bootstrap.bootstrap_key(boot, alfworld, 0)
-    assert "data" not in hashed[0] and hashed[1]["data"] == "generator-v2"
+    monkeypatch.setattr("opd.bootstrap.cache.digest", lambda payload: hashed.append(payload) or "k")
+    bootstrap_key(boot, frozen, 0), bootstrap_key(boot, alfworld, 0)
+    assert hashed[0]["data"] == "" and hashed[1]["data"] == "generator-v2"

@@ -60,10 +60,9 @@ def test_a_state_that_replays_differently_is_refused():
 
 
 def test_compare_counts_every_state_by_stage_and_recovery(tiny_model_dir):
-    from opd.runtime.actors import RolloutWorker
+    from opd.runtime.workers import EngineSpec, RolloutWorker
 
-    model_cfg = {"engine": "hf", "dtype": "float32", "trust_remote_code": False}
-    host = RolloutWorker(model_cfg, tiny_model_dir, 1)
+    host = RolloutWorker(EngineSpec(tiny_model_dir, engine="hf", torch_threads=1))
     tasks = FACTORY().unwrapped.task_ids("eval")[:4]
     # References: the expert's episodes, one with a wrong first move (states after it are recovery states).
     refs = [_expert_reference(tasks[0], {0: "up"}), *(_expert_reference(t) for t in tasks[1:])]
@@ -101,14 +100,14 @@ def test_the_rollouts_judge_continues_with_the_reference_policy(tiny_model_dir, 
     differing action gets a verdict from rates in [0, 1], and the same seed gives the same rate."""
     from opd.evaluation.compare import State, rollout_outcome
     from opd.models import save_model, tiny_qwen3
-    from opd.runtime.actors import RolloutWorker
+    from opd.runtime.workers import EngineSpec, RolloutWorker
     from opd.schema import TinyArchConfig
 
     other = tmp_path / "other"
     save_model(tiny_qwen3(tokenizer, TinyArchConfig(hidden_size=64, num_layers=2, num_heads=1, intermediate_size=128),
                           seed=1), tokenizer, other)
-    model_cfg = {"engine": "hf", "dtype": "float32", "trust_remote_code": False}
-    host_a, host_b = RolloutWorker(model_cfg, tiny_model_dir, 1), RolloutWorker(model_cfg, str(other), 1)
+    host_a = RolloutWorker(EngineSpec(tiny_model_dir, engine="hf", torch_threads=1))
+    host_b = RolloutWorker(EngineSpec(str(other), engine="hf", torch_threads=1))
     small = EnvFactory("opd/FrozenLakeText-v0", {"map_size": 4, "max_turns": 3, "n_eval_tasks": 2})
     refs = [_expert_reference(t) for t in small().unwrapped.task_ids("eval")]
     for ref in refs:  # the expert's episodes under a 3-turn budget end truncated at turn 3

@@ -25,8 +25,12 @@ def _instructions(path: Path) -> list[tuple[str, str]]:
             for line in text.splitlines() if line.strip()]
 
 
-def test_both_images_are_there():
-    assert [p.name for p in IMAGES] == ["Dockerfile.cpu", "Dockerfile.gpu"]
+def test_the_images_the_docs_name_are_the_images_there():
+    """docs/docker.md and the README tell users which image to build: each they name exists, and
+    each image is documented."""
+    named = {m for path in (ROOT / "README.md", *(ROOT / "docs").rglob("*.md"))
+             for m in re.findall(r"docker/(Dockerfile\.\w+)", path.read_text())}
+    assert named == {p.name for p in IMAGES} and IMAGES
 
 
 def test_hadolint_passes_with_only_explained_ignores():

@@ -15,8 +15,8 @@ import yaml
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[2]
-GPU_RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml")
-                     if any(v > 0 for k, v in (yaml.safe_load(p.read_text()).get("resources") or {}).items()
+GPU_RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if not p.name.endswith(".study.yaml")
+                     and any(v > 0 for k, v in (yaml.safe_load(p.read_text()).get("resources") or {}).items()
                             if k.endswith("_gpus")))
 # The Qwen3 dense checkpoints on the Hugging Face hub (https://huggingface.co/Qwen).
 QWEN3 = {f"Qwen/Qwen3-{size}" for size in ("0.6B", "1.7B", "4B", "8B", "14B", "32B")}

@@ -18,11 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 # Bottom to top; a module may import from its own layer and the layers below. The names are
 # module prefixes: "opd.generation" covers opd.generation and everything under it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("data", ("opd", "opd.schema", "opd.trajectory", "opd.chat", "opd.optional")),
+    ("data", ("opd", "opd.schema", "opd.trajectory", "opd.chat", "opd.optional", "opd.progress")),
     ("engines and environments", ("opd.models", "opd.envs", "opd.generation", "environments")),
     ("rollout, supervision and losses", ("opd.rollout", "opd.supervision", "opd.losses")),
     ("training", ("opd.training",)),
-    ("algorithms, evaluation and provisioning", ("opd.algorithms", "opd.evaluation", "opd.provisioning")),
+    ("algorithms, evaluation and bootstrap", ("opd.algorithms", "opd.evaluation", "opd.bootstrap")),
     ("config", ("opd.config",)),
     ("runtime", ("opd.runtime",)),
     ("cli", ("opd.cli",)),
@@ -117,3 +117,44 @@ def test_environments_stay_below_opd_above_the_contract(tmp_path):
     (tmp_path / "environments" / "game.py").write_text("from opd.envs import make_env\nfrom opd.rollout import vanilla\n")
     violations, _ = upward_imports(tmp_path)
     assert [v.split(": ", 1)[0] for v in violations] == ["environments/game.py:2"]
+
+
+# The modules that talk to Ray; everything else runs where Ray is not installed.
+RAY_MODULES = {"opd.runtime.cluster", "opd.runtime.placement", "opd.runtime.actors"}
+
+
+def _module_graph(root: Path) -> dict[str, set[str]]:
+    """Each module of opd and the environments, and the modules (of those) it imports."""
+    paths = {module_name(p, root): p for package in ("opd", "environments") for p in sorted((root / package).rglob("*.py"))}
+    graph = {}
+    for module, path in paths.items():
+        targets = set()
+        for _, target in imported_modules(path, module):
+            while target and target not in paths:  # "from a import name": the module is a
+                target = target.rpartition(".")[0]
+            if target:
+                targets.add(target)
+        graph[module] = targets
+    return graph
+
+
+def test_ray_is_imported_by_the_ray_modules_only():
+    found = []
+    for package in ("opd", "environments"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            module = module_name(path, ROOT)
+            found += [f"{module}:{line}" for line, target in imported_modules(path, module)
+                      if (target == "ray" or target.startswith("ray.")) and module not in RAY_MODULES]
+    assert found == [], f"only {sorted(RAY_MODULES)} import ray: {found}"
+
+
+@pytest.mark.parametrize("module", ["opd.runtime.local", "opd.runtime.offline", "opd.runtime.workers",
+                                    "opd.training.trainer"])
+def test_the_paths_without_ray_never_reach_a_ray_module(module):
+    graph, seen, todo = _module_graph(ROOT), set(), [module]
+    while todo:
+        current = todo.pop()
+        if current not in seen:
+            seen.add(current)
+            todo += graph.get(current, ())
+    assert seen & RAY_MODULES == set(), f"{module} reaches {sorted(seen & RAY_MODULES)}"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import io
 import json
 
-from opd.evaluation.report import Progress, format_duration, second_panel, short_name, write_report_plot
+from opd.evaluation.report import second_panel, short_name, step_status, training_progress, write_report_plot
+from opd.progress import format_duration
 
 # A real metrics line of the tiny recipe (one reverse_kl term).
 BUILT_IN = {"step": 1, "loss/reverse_kl": 0.1036, "reverse_kl/reverse_kl": 0.1036, "reverse_kl/clip_frac": 0.0,
@@ -30,20 +31,20 @@ class FakeClock:
 
 def test_the_plain_line_names_the_loss_terms_then_kl_and_ends_with_the_eta(capsys):
     clock = FakeClock()
-    progress = Progress(None, total=10, start=0, clock=clock)
+    progress = training_progress(print, total=10, start=0, clock=clock)
     clock.now += 30.0  # three steps of 10 s each
-    progress.update(3, BUILT_IN)
+    progress.advance(3, step_status(BUILT_IN))
     line = capsys.readouterr().out.strip()
     assert line == "step 3/10: loss +0.104 kl 0.104 succ 0.00 2.3s/it eta 1m10s"  # one term: it is the loss
-    progress.update(4, {**BUILT_IN, "loss/sft": 0.5, "loss": 0.6036})
+    progress.advance(4, step_status({**BUILT_IN, "loss/sft": 0.5, "loss": 0.6036}))
     assert "loss +0.604 reverse_kl +0.104 sft +0.500 kl 0.104 succ" in capsys.readouterr().out
 
 
 def test_a_custom_loss_keeps_its_columns_and_at_most_three_terms_are_shown(capsys):
     clock = FakeClock()
-    progress = Progress(None, total=4, start=2, clock=clock)  # resumed at step 2: the mean counts steps since
+    progress = training_progress(print, total=4, start=2, clock=clock)  # resumed at step 2: the mean counts steps since
     clock.now += 5.0
-    progress.update(3, CUSTOM)
+    progress.advance(3, step_status(CUSTOM))
     line = capsys.readouterr().out.strip()
     assert line.startswith("step 3/4: loss +2.150 my_dist_loss +0.250 sft +1.500 forward_kl +0.300 succ 0.50")
     assert "pivo_prev" not in line and " kl " not in line  # the fourth term; no reverse KL headline
@@ -56,8 +57,8 @@ def test_the_terminal_bar_shows_the_terms_that_fit_and_keeps_its_time_columns():
     shown = {}
     for width in (200, 80):
         console = Console(file=io.StringIO(), force_terminal=True, color_system=None, width=width)
-        progress = Progress(console, total=2, start=0)
-        progress.update(1, {**CUSTOM, "reverse_kl_per_token": 0.1})
+        progress = training_progress(console.log, total=2, start=0)
+        progress.advance(1, step_status({**CUSTOM, "reverse_kl_per_token": 0.1}, progress.status_width))
         progress.close()
         shown[width] = console.file.getvalue().split("\r")[-1]
     assert "loss +2.150 my_dist_loss +0.250 sft +1.500 forward_kl +0.300 kl 0.100 succ 0.50 1.0s/it" in shown[200]

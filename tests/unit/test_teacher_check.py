@@ -38,12 +38,21 @@ def _traj(info: dict, reward: float) -> Trajectory:
     return traj
 
 
-def test_env_figures_average_what_the_episodes_report():
-    trajs = [_traj({"value": 2.0, "questions_asked": 3, "premature_commitment": True}, 1.0),
+def test_env_figures_average_what_the_episodes_report_of_the_envs_report_keys():
+    from environments.clinical import ClinicalWorkupEnv
+    from environments.scienceworld_env import ScienceWorldTextEnv
+    from opd.envs import EnvFactory, report_keys
+
+    clinical = report_keys(EnvFactory("opd/ClinicalWorkup-v0"))
+    assert clinical == ClinicalWorkupEnv.report_keys and "value" in clinical
+    trajs = [_traj({"value": 2.0, "questions_asked": 3, "premature_commitment": True, "score": 9}, 1.0),
              _traj({"value": -1.0, "questions_asked": 1, "premature_commitment": False}, 0.0),
              _traj({}, 0.0)]
-    assert env_figures(trajs) == {"value": 0.5, "questions_asked": 2.0, "premature_commitment": 0.5}
-    assert env_figures([_traj({"score": 40}, 0.4), _traj({"score": 100}, 1.0)]) == {"score": 70.0}
+    # score is not the clinical simulator's figure: not averaged, whatever an info holds
+    assert env_figures(trajs, clinical) == {"value": 0.5, "questions_asked": 2.0, "premature_commitment": 0.5}
+    assert env_figures([_traj({"score": 40}, 0.4), _traj({"score": 100}, 1.0)],
+                       ScienceWorldTextEnv.report_keys) == {"score": 70.0}
+    assert report_keys(EnvFactory("opd/FrozenLakeText-v0")) == () and report_keys(lambda: None) == ()
 
 
 @pytest.mark.parametrize("greedy,sampled,ok", [

@@ -201,7 +201,7 @@ def test_a_soft_capped_head_falls_back_to_every_position(model, fmt, caplog):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("zero_stage", [0, 3])
-def test_the_deepspeed_trainer_takes_the_same_step_either_way(zero_stage, fmt, tiny_model_dir, monkeypatch):
+def test_the_deepspeed_trainer_takes_the_same_step_either_way(zero_stage, fmt, tiny_model_dir):
     """Through DeepSpeed (the LM head called outside the engine's forward, ZeRO-3 included), with
     the single-rank all-reduce skipped at stage 0 and the fused AdamW: the same loss, gradient
     norm and update as the trainer before them (every position's log-softmax, DeepSpeed's
@@ -216,8 +216,8 @@ def test_the_deepspeed_trainer_takes_the_same_step_either_way(zero_stage, fmt, t
     terms = [("reverse_kl", 1.0, {}), ("forward_kl", 0.5, {})]
     steps = {}
     for gathered in (False, True):
-        monkeypatch.setattr(trainer, "GATHER_LOGPROBS", gathered)
-        student = trainer.StudentTrainer(cfg, terms, tiny_model_dir, episodes_per_step=4)
+        student = trainer.StudentTrainer(trainer.TrainerSpec(cfg, tuple(terms), tiny_model_dir, episodes_per_step=4))
+        student.gather_logprobs = gathered  # False: every position's log-softmax, as a user's loss gets
         if not gathered:
             student.engine.enable_backward_allreduce = True
             for group in student.engine.optimizer.param_groups:

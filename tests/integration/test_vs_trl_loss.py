@@ -2,7 +2,7 @@
 
 On one batch built the way a vanilla_opd step builds it (two tiny Qwen3s with one tokenizer,
 the student's own samples on the shipped arithmetic prompts, the teacher's full
-distributions from opd's scoring), ``bench/vs_trl.py:loss_agreement`` computes opd's
+distributions from opd's scoring), :func:`opd.evaluation.trl_parity.loss_agreement` computes opd's
 ``reverse_kl`` (``estimator: full``, the trainer's logprob path) and TRL's
 ``GKDTrainer.generalized_jsd_loss(beta=1.0)``. Both are the mean over the batch's completion
 tokens of the exact per-token KL(student || teacher), so they must agree without any factor, and
@@ -11,7 +11,6 @@ so must the student's gradients; ``beta=0.0`` must be opd's ``forward_kl`` (TRL'
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -21,18 +20,13 @@ import torch
 pytest.importorskip("trl", reason="the comparison with TRL's GKDTrainer needs trl (the dev extra: trl==1.16.0)")
 
 from opd.envs import EnvFactory  # noqa: E402
+from opd.evaluation.trl_parity import loss_agreement  # noqa: E402
 from opd.models import save_model, tiny_qwen3, train_chat_tokenizer  # noqa: E402
 from opd.schema import TinyArchConfig  # noqa: E402
 
+pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "environments" / "prompt_data" / "arith_tiny.jsonl"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_vs_trl", ROOT / "bench" / "vs_trl.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +71,7 @@ def model_dirs(tmp_path_factory):
 def test_reverse_kl_full_equals_trl_generalized_jsd_at_beta_1(model_dirs):
     env_factory = EnvFactory("opd/PromptDataset-v0", {"path": str(DATA)})
     tasks = env_factory().unwrapped.task_ids("train")[:8]
-    result = _bench().loss_agreement(model_dirs["student"], model_dirs["teacher"], env_factory, tasks,
+    result = loss_agreement(model_dirs["student"], model_dirs["teacher"], env_factory, tasks,
                                      max_new_tokens=6, temperature=1.0, seed=0)
 
     assert result["rows"] == 8

@@ -1,0 +1,81 @@
+"""Where a run's models come from: a path given in the recipe, or a tiny model built here.
+
+:func:`resolve_model_path` is the one entry: a role's ``path``, or, with a ``bootstrap`` section,
+the directory of a tiny model built by SFT on a scripted policy's trajectories and cached by
+content hash (:func:`~opd.bootstrap.build.build_bootstrap_model`).
+
+This is how the CPU quickstart gets a teacher and a student with no download: a byte-level BPE
+tokenizer is trained on the environment's own text (:mod:`opd.bootstrap.tokenizer`), then
+
+- the teacher is a tiny Qwen3 fine-tuned on the environment expert's trajectories, and
+- the student is a tiny Qwen3 fine-tuned on uniformly random *valid* actions: it has learnt the
+  answer format, not the task (the role a small pretrained instruct model plays in a real run).
+
+Both share the one tokenizer, so the teacher can score the student's tokens. Built models live
+under ``bootstrap.cache_dir/<policy>-<key>/`` (:mod:`opd.bootstrap.cache`) and are reused by
+every later run with the same settings.
+
+The package, in the order a build runs:
+
+- :mod:`~opd.bootstrap.tokenizer`: the BPE trained on the environment's text, or an existing one;
+- :mod:`~opd.bootstrap.rows`: scripted episodes and the SFT rows made of them;
+- :mod:`~opd.bootstrap.sft`: the starting model and the SFT loop;
+- :mod:`~opd.bootstrap.build`: the build itself, DAgger's rows, the cached directory;
+- :mod:`~opd.bootstrap.cache`: the content hash that names it.
+
+Options that shape the rows (``docs/actfirst.md``, ``docs/pivot.md``):
+
+- ``think: plan`` puts a ``<think> ... </think>`` block before each action: a state summary (the
+  environment's ``state_line``, by default the observation's last line) and a plan naming the
+  move (:func:`~opd.bootstrap.rows.plan_text`), so a full response is many times longer than its
+  action, as a reasoning model's is.
+- ``action_only_prob: p`` also trains a share ``p`` of the turns in ActFirst's layouts, each as
+  its own row whose context holds the executed actions and observations only: the two
+  action-only prompts (:func:`opd.chat.action_only_prompt_ids`; with the reference next
+  observation, the one the move led to, or without) and, with ``think``, the standard prompt
+  answered with the full response (where ActFirst's full requests are made).
+- ``history: state_grounded`` trains every response after its state-grounded context (past turns
+  show their action only), one packed row per episode with each response a branch: the view in
+  which a ``state_grounded`` teacher scores, and ActFirst's student is evaluated; ``history:
+  both`` trains each episode in both layouts (two rows), for a teacher that is at home in either.
+- ``hint_prob: p`` trains a share ``p`` of the turns with PivotOPD's hint line.
+- ``init: smollm2`` (or a model directory) starts the SFT from a pretrained model, optionally cut
+  to its first ``init_layers`` blocks (:func:`~opd.bootstrap.sft.initial_model`), instead of a
+  tiny Qwen3 from scratch.
+- ``dagger_episodes: N`` (with ``init``) is a round of DAgger: the init model plays the N train
+  games after the expert's (at ``dagger_temperature``), and each turn it played becomes a row
+  whose context is its own episode and whose target is the env's expert action in the state it
+  reached (:func:`~opd.bootstrap.build.dagger_rows`). Imitating only the expert's episodes, a
+  policy never sees the states its own mistakes lead to, and loops in them.
+
+A build reports its stages (the tokenizer's corpus, the scripted episodes, the SFT steps with
+their loss) through ``log`` with :class:`opd.progress.Progress`: a bar on a terminal, a line at
+every tenth of a stage otherwise, and a closing line per stage either way.
+
+Example:
+    >>> path = resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, log=print)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from opd.bootstrap.build import build_bootstrap_model
+from opd.models import smollm2_model_dir
+from opd.schema import EnvConfig, ModelConfig
+
+__all__ = ["build_bootstrap_model", "resolve_model_path"]
+
+
+def resolve_model_path(model_cfg: ModelConfig, env_cfg: EnvConfig, seed: int, log: Callable[[str], None]) -> str:
+    """The model directory (or hub id) of a role: ``model_cfg.path``, or the tiny model its
+    ``bootstrap`` section describes, built on first use. ``seed`` seeds that build unless
+    ``bootstrap.seed`` pins it (so runs with other seeds share the model). ``path: smollm2`` is
+    SmolLM2-135M-Instruct, the one pretrained model available offline (made on first use)."""
+    if model_cfg.bootstrap is not None:
+        if model_cfg.bootstrap.seed is not None:
+            seed = model_cfg.bootstrap.seed
+        return build_bootstrap_model(model_cfg.bootstrap, env_cfg, seed, log)
+    if model_cfg.path == "smollm2":
+        return smollm2_model_dir()
+    return model_cfg.path

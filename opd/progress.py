@@ -1,0 +1,134 @@
+"""How far a long piece of work is: the one progress display of opd.
+
+Every piece of work longer than a few seconds reports through :class:`Progress`: the training
+loop's steps, the bootstrap's stages (the tokenizer's corpus, the scripted episodes, the SFT
+steps), ``opd eval``'s episodes and ``opd compare``'s states.
+
+On a terminal (``log`` is the ``log`` method of a rich ``Console`` that is a terminal) it is a
+progress bar with the time elapsed and left and a status after the count. Elsewhere (CI logs, a
+file) it writes plain lines, in one of two styles:
+
+- ``every_update=False`` (a stage): a line at every tenth of the way (:data:`LINES`), none sooner
+  than :data:`MIN_INTERVAL_S` after the one before, through ``log``; so a fast stage stays quiet
+  and a slow one is never silent for long. :meth:`Progress.finish` writes the closing line, with
+  the time the stage took. The bar is removed when the stage ends.
+- ``every_update=True`` (training steps): one line per update on standard output, ending with
+  the time left at the mean time per item so far (``eta 1m20s``); the bar stays when it ends.
+
+Example:
+    >>> with Progress(print, "SFT step", total=100, prefix="bootstrap") as progress:  # doctest: +SKIP
+    ...     for k in range(100):
+    ...         progress.advance(k + 1, f"loss {loss:.4f}")
+    ...     progress.finish(f"loss {loss:.4f}")
+    bootstrap: SFT step 10/100, loss 3.1415 (12s, about 1m48s left)
+    ...
+    bootstrap: SFT step 100/100, loss 0.0123 in 120.3s
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+LINES = 10  # a stage without a terminal logs a line at every tenth of the way...
+MIN_INTERVAL_S = 5.0  # ...but not sooner than this after its previous line (its last line always)
+# The bar's columns before the status (the label, a bar rich may narrow to ~10, "3/10", elapsed,
+# remaining): a status longer than the terminal's width less this squeezes the times to "0:…".
+BAR_COLUMNS_WIDTH = 40
+
+
+def format_duration(seconds: float) -> str:
+    """``45s``, ``1m20s``, ``2h05m``."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class Progress:
+    """``done`` of ``total`` items of ``what`` (``"SFT step"``, ``"episode"``), told through ``log``.
+
+    Args:
+        log: where lines go (``print``, or a rich ``Console.log``: on a terminal, a bar instead).
+        what: the items counted, for the lines and the bar's label.
+        total: the number of items.
+        start: items already done (a resumed run); the time left counts the items since.
+        prefix: what the work is part of (``"bootstrap"``, ``"eval"``), before ``what`` on a line.
+        every_update: a line per update on standard output (training steps), not one per tenth.
+        label: the bar's label (default: ``prefix: what``).
+        clock: seconds, for the times shown (a test gives its own).
+    """
+
+    def __init__(self, log: Callable[[str], Any], what: str, total: int, *, start: int = 0, prefix: str = "",
+                 every_update: bool = False, label: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.log, self.what, self.total, self.start, self.prefix = log, what, total, start, prefix
+        self.every_update, self.clock = every_update, clock
+        self.started = self.last_line = clock()
+        self.tenths_logged = 0
+        self.bar = None
+        self.console = getattr(log, "__self__", None)  # a bound Console.log
+        on_terminal = type(self.console).__module__.startswith("rich.") and getattr(self.console, "is_terminal", False)
+        if total > 0 and on_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
+
+            self.bar = RichProgress(TextColumn(label or self._head()), BarColumn(bar_width=24), MofNCompleteColumn(),
+                                    TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
+                                    console=self.console, transient=not every_update)
+            self.task = self.bar.add_task(what, total=total, completed=start, status="")
+            self.bar.start()
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def status_width(self) -> int | None:
+        """How many characters of status fit after the bar's columns (``None`` without a bar)."""
+        return self.console.width - BAR_COLUMNS_WIDTH if self.bar is not None else None
+
+    def eta_s(self, done: int) -> float:
+        """Seconds left: the items to go at the mean time of those done since the start (NaN before one)."""
+        since = done - self.start
+        return (self.clock() - self.started) / since * (self.total - done) if since > 0 else float("nan")
+
+    def advance(self, done: int, status: str = "") -> None:
+        """``done`` of ``total`` are done; ``status`` (e.g. ``"loss 2.8465"``) goes after the count."""
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, status=status)
+        elif self.every_update:
+            eta = self.eta_s(done)
+            tail = f" eta {format_duration(eta)}" if eta == eta else ""  # NaN (no item done yet): none
+            print(f"{self.what} {done}/{self.total}: {status}{tail}", flush=True)
+        else:
+            self._tenth_line(done, status)
+
+    def _tenth_line(self, done: int, status: str) -> None:
+        tenths, now = done * LINES // max(1, self.total), self.clock()
+        if done >= self.total or tenths <= self.tenths_logged or now - self.last_line < MIN_INTERVAL_S:
+            return  # the last one is finish()'s
+        self.tenths_logged, self.last_line = tenths, now
+        elapsed = now - self.started
+        left = elapsed / done * (self.total - done)
+        self.log(f"{self._head()} {done}/{self.total}{', ' + status if status else ''} "
+                 f"({elapsed:.0f}s, about {left:.0f}s left)")
+
+    def _head(self) -> str:
+        return f"{self.prefix}: {self.what}" if self.prefix else self.what
+
+    def finish(self, status: str = "") -> None:
+        """A stage's closing line: the total, ``status`` and the time it took."""
+        self.close()
+        self.log(f"{self._head()} {self.total}/{self.total}{', ' + status if status else ''} "
+                 f"in {self.clock() - self.started:.1f}s")
+
+    def close(self) -> None:
+        """Stop the bar (a stage's is removed, the training bar stays on the screen)."""
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
