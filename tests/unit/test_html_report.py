@@ -1,12 +1,14 @@
 """``opd report``'s page (opd/evaluation/html_report.py) on a run directory built by hand: the
-panels it draws and leaves out, the evaluation tables, the viewer's embedded episodes (escaped,
-coloured, capped). The page in a real browser: tests/e2e/test_report_browser.py."""
+header, the curve panels it embeds for report.js to draw and those it leaves out, the evaluation
+tables, the viewer's embedded episodes (escaped, coloured, capped) and the inlined assets. The page
+in a real browser (the charts drawn, the viewer driven): tests/e2e/test_report_browser.py."""
 
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,17 +93,37 @@ def tiny_png(width: int = 40, height: int = 20) -> bytes:
             + chunk(b"IDAT", zlib.compress(pixels)) + chunk(b"IEND", b""))
 
 
-def embedded(page: str) -> dict:
-    """The viewer's JSON, cut out of the page as the browser's parser would: up to the first
-    ``</script>``."""
-    found = re.search(r'<script type="application/json" id="episode-data">(.*?)</script>', page, re.S)
-    assert found, "no episode data block"
+def embedded(page: str, block: str = "episode-data") -> Any:
+    """A JSON block of the page (the viewer's episodes, or ``chart-data``: the curve panels), cut
+    out as the browser's parser would: up to the first ``</script>``."""
+    found = re.search(rf'<script type="application/json" id="{block}">(.*?)</script>', page, re.S)
+    assert found, f"no {block} block"
     return json.loads(found.group(1))
+
+
+def charts(page: str) -> dict[str, dict]:
+    """The curve panels report.js draws, by title; each title also a figure of the page, in order."""
+    panels = embedded(page, "chart-data")
+    assert re.findall(r'<figure class="panel" data-panel="([^"]+)" data-chart="(\d+)">', page) == \
+        [(p["title"], str(i)) for i, p in enumerate(panels)]
+    return {p["title"]: p for p in panels}
+
+
+def labels(panel: dict) -> list[str]:
+    return [s["label"] for s in panel["series"]]
+
+
+def points(panel: dict, label: str) -> list[list[float]]:
+    return next(s["points"] for s in panel["series"] if s["label"] == label)
 
 
 def note(page: str) -> str:
     """The viewer's note on what it embeds and what it left out."""
     return re.search(r'<p class="note" id="viewer-note">(.*?)</p>', page, re.S).group(1)
+
+
+def asset(name: str) -> str:
+    return (html_report.ASSETS / name).read_text(encoding="utf-8")
 
 
 def test_the_signature_is_pinned():
@@ -116,32 +138,75 @@ def test_a_full_run_has_every_panel_the_tables_and_the_header(tmp_path):
     out = write_html_report(run)
     assert out == run / "report.html"
     page = out.read_text()
-    panels = re.findall(r'data-panel="([^"]+)"', page)
-    assert panels == ["Success", "KL to the teacher", "Losses", "Step time", "Weight sync", "Held-out turns",
-                      "Gradient norm", "Learning rate"]  # no PivotOPD / ActFirst scalars in this run
-    assert "reverse_kl_per_token" in page and "reverse_kl/reverse_kl" in page and "loss/reverse_kl" in page
-    assert "reverse_kl/clip_frac" not in page  # a loss's own scalar, not a KL term
-    assert page.count("<svg") == 8 and "<polyline" in page and "<rect" in page
+    panels = charts(page)
+    assert list(panels) == ["Success", "KL to the teacher", "Losses", "Step time", "Weight sync", "Held-out turns",
+                            "Gradient norm", "Learning rate"]  # no PivotOPD / ActFirst scalars in this run
+    assert [p["kind"] for p in panels.values()] == ["line"] * 3 + ["bars"] + ["line"] * 4
+    # Success: the student's held-out evaluations, the teacher's single one as a level over every
+    # step, the training episodes; on a 0-1 axis.
+    success = panels["Success"]
+    assert points(success, "student, held-out") == [[0.0, 0.25], [2.0, 0.5]]
+    assert points(success, "teacher, held-out") == [[0.0, 0.75], [2.0, 0.75]]
+    assert points(success, "student, training") == [[1.0, 0.5], [2.0, 0.5]]
+    assert [s["dashed"] for s in success["series"]] == [False, True, False] and success["y_range"] == [0.0, 1.0]
+    assert labels(panels["KL to the teacher"]) == ["reverse_kl_per_token", "reverse_kl/reverse_kl"]  # not clip_frac
+    assert points(panels["KL to the teacher"], "reverse_kl_per_token") == [[1.0, 0.1], [2.0, 0.2]]
+    assert labels(panels["Losses"]) == ["loss", "loss/reverse_kl"]
+    assert points(panels["Losses"], "loss") == [[1.0, 0.5], [2.0, 0.25]]
+    assert panels["Weight sync"]["y_range"] == [0.0, None]
+    assert labels(panels["Held-out turns"]) == ["eval/student_turns"]  # the teacher's turns were not logged
+    # Step time: the phases stacked in the run's order, and what they leave of time/step_s as "other".
+    bars = panels["Step time"]
+    assert bars["labels"] == ["generation", "teacher scoring", "training", "weight sync", "other"]
+    assert [step for step, _ in bars["stacks"]] == [1.0, 2.0]
+    assert bars["stacks"][0][1] == pytest.approx([1.0, 0.5, 2.0, 0.1, 0.4])
+    assert panels["Step time"]["subtitle"] == "seconds per training step, by phase"
     # Header: name, algorithm, environment, models, summary numbers.
-    for text in ("<h1>handmade</h1>", "vanilla_opd", "opd/FrozenLakeText-v0", "/models/teacher", "75.0%", "25.0%",
-                 "50.0%", "reverse_kl ×1"):
+    for text in ("<title>opd report: handmade</title>", "<h1>handmade</h1>", "vanilla_opd", "opd/FrozenLakeText-v0",
+                 "/models/teacher", '<div class="card-value">75.0%</div><div class="card-label">teacher</div>',
+                 "25.0%", "50.0%", "reverse_kl ×1", "held-out success on 4 tasks", "per step: generation 1.00s"):
         assert text in page, text
     # Evaluation tables: the pass@k grid (turns × k, "value [low, high]"), budgets, plot, comparison.
     assert "<th>pass@1</th><th>pass@8</th>" in page
     assert "<tr><th>3 turns</th><td>13.0% <small>[5.0%, 90.0%]</small></td><td>83.0% <small>[5.0%, 90.0%]</small>" \
         "</td></tr>" in page
-    assert "truncated 200, success 56" in page and "data:image/png;base64," in page
+    assert "<td>3</td><td>31.0%</td><td>–</td><td>2.9</td><td>0.4</td><td>truncated 200, success 56</td>" in page
+    assert "<th>mean turns</th>" in page and "data:image/png;base64," in page
+    assert "student of handmade · opd/FrozenLakeText-v0, split eval · 32 tasks × 8 samples" in page
+    assert "95% intervals: bootstrap over tasks" in page
     assert "<th>all states</th><td>120</td><td>20.0%</td><td>70.0%</td><td>10.0%</td>" in page
-    assert "stage: early" in page and "recovery: error recovery" in page
+    assert "stage: early" in page and "recovery: error recovery" in page and "B = after vs A = before" in page
     # Self-contained: nothing fetched at view time.
     assert not re.search(r'<(script|link|img)[^>]+(src|href)="(https?:)?//', page)
+
+
+def test_the_assets_are_inlined_and_cannot_close_their_elements(tmp_path):
+    page = write_html_report(make_run_dir(tmp_path)).read_text()
+    css, js = asset("report.css"), asset("report.js")
+    assert f"<style>{css}</style>" in page and f"<script>{js}</script>" in page
+    assert "</style" not in css.lower() and "</script" not in js.lower() and "<!--" not in js
+    assert not re.search(r"<script[^>]+src=|<link[^>]+stylesheet", page)
+    # The visual design the CSS carries: the palette of the page and the layout of the panels.
+    assert "--ink:#0f172a" in css and ".panels{display:grid" in css and ".badge.pivot{background:#7c3aed}" in css
 
 
 def test_panels_without_data_are_left_out(tmp_path):
     run = make_run_dir(tmp_path, training=False, evaluation=False)
     page = write_html_report(run, out=tmp_path / "elsewhere" / "r.html").read_text()
-    assert re.findall(r'data-panel="([^"]+)"', page) == ["Success", "Held-out turns"]
+    panels = charts(page)
+    assert list(panels) == ["Success", "Held-out turns"]
+    assert labels(panels["Success"]) == ["student, held-out", "teacher, held-out"]  # no training episodes
     assert 'id="evaluations"' not in page and not (run / "report.html").exists()
+
+
+def test_a_long_run_is_thinned_to_bin_means(tmp_path, monkeypatch):
+    monkeypatch.setattr(html_report, "MAX_POINTS", 2)
+    page = write_html_report(make_run_dir(tmp_path, train_steps=(1, 2, 3, 4))).read_text()
+    panels = charts(page)
+    assert points(panels["Losses"], "loss") == [[1.5, (0.5 + 0.25) / 2], [3.5, (0.5 / 3 + 0.125) / 2]]
+    assert [x for point in points(panels["KL to the teacher"], "reverse_kl_per_token") for x in point] == \
+        pytest.approx([1.5, 0.15, 3.5, 0.35])
+    assert [step for step, _ in panels["Step time"]["stacks"]] == [2.0, 4.0]  # a bin at its last step
 
 
 def test_an_observation_cannot_break_out_of_the_data_block(tmp_path):
@@ -149,11 +214,23 @@ def test_an_observation_cannot_break_out_of_the_data_block(tmp_path):
     page = write_html_report(run).read_text()
     assert "window.pwned" in page  # the text is there, escaped
     assert "</script><script>window.pwned" not in page and "<!-- <script>" not in page
-    assert page.count("</script>") == 2  # the data block's and the viewer's
+    assert page.count("</script>") == 3  # the chart data's, the episode data's and the script's
     data = embedded(page)
     turns = next(f for f in data["files"] if f["group"] == "training samples")["episodes"][0]["turns"]
     assert HOSTILE in turns[1]["p"]  # decoded back exactly
     assert turns[0]["o"] == ""  # turn 0's observation is turn 1's prompt: embedded once
+
+
+def test_run_text_in_the_header_and_the_curves_stays_text(tmp_path):
+    run = make_run_dir(tmp_path, evaluation=False)
+    (run / "config.yaml").write_text(f"name: {json.dumps(HOSTILE)}\nalgorithm: vanilla_opd\n")
+    with (run / "metrics.jsonl").open("a") as metrics:
+        metrics.write(json.dumps({"step": 3, "loss": 0.1, f"{HOSTILE}kl": 0.2, "time/step_s": 1.0}) + "\n")
+    page = write_html_report(run).read_text()
+    assert page.count("</script>") == 3 and "<script>window.pwned" not in page
+    assert "<h1>you see &lt;/script&gt;&lt;script&gt;window.pwned = 1&lt;/script&gt;&lt;!-- &lt;script&gt; &amp; " \
+           "done</h1>" in page
+    assert f"{HOSTILE}kl" in labels(charts(page)["KL to the teacher"])  # decoded back exactly, for textContent
 
 
 def test_token_colours_and_titles_follow_the_log_ratio(tmp_path):
@@ -177,11 +254,15 @@ def test_token_colours_and_titles_follow_the_log_ratio(tmp_path):
     assert train["episodes"][1]["turns"][0]["m"] == ["pivot"]
     unscored = next(f for f in data["files"] if f["name"] == "eval_student_step_0.parquet")["episodes"][0]["turns"][0]
     assert unscored["t"] == [] and unscored["c"] == []  # shown neutral
+    # The colour key above the viewer: every palette colour, and where it saturates.
+    assert "".join(f'<i style="background:{c}"></i>' for c in palette) in page
+    assert "less likely (−3 nats)" in page and "more likely (+3)" in page
     # The title the viewer gives each token span carries both logprobs and their ratio.
+    js = asset("report.js")
     for text in ('"student (behaviour) logprob " + num(b)', '"teacher logprob " + num(t)',
                  '"log-ratio teacher - student " + num(t - b)', 'span.style.backgroundColor = data.palette[turn.c[i] + N]'):
-        assert text in html_report._JS, text
-    assert "badge" in html_report._JS and 'el("span", "tok")' in html_report._JS
+        assert text in js, text
+    assert "badge" in js and 'el("span", "tok")' in js
 
 
 def test_the_embedded_episodes_are_capped_and_the_page_says_so(tmp_path, monkeypatch):
@@ -205,6 +286,8 @@ def test_a_run_without_episodes_or_metrics_still_gets_a_page(tmp_path):
     run.mkdir()
     page = write_html_report(run).read_text()
     assert "No episode files" in page and "metrics.jsonl has no steps yet" in page and "<h1>empty</h1>" in page
+    assert embedded(page, "chart-data") == [] and 'id="file-select"' not in page
+    assert "no summary.json: the run did not finish" in page and '<div class="card-value">n/a</div>' in page
     assert viewer_data(run)["files"] == []
     with pytest.raises(FileNotFoundError, match="no run directory"):
         write_html_report(tmp_path / "missing")
