@@ -177,7 +177,8 @@ def _command(args: argparse.Namespace, console: Any) -> int:
         if not RunDir(args.run_dir).is_run():
             raise ConfigError(f"{args.run_dir} is not a run directory (no metrics.jsonl)")
         out = write_html_report(Path(args.run_dir), Path(args.out) if args.out else None)
-        console.print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KiB); open it in a browser, no network needed")
+        console.print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KiB); open it in a browser, no network needed",
+                      soft_wrap=True)
         return 0
     if args.command in ("eval", "compare"):
         from opd.runtime.offline import compare_command, evaluate_command
@@ -238,7 +239,8 @@ def _verify(run_dir: Path, console: Any) -> int:
 
     checkpoints = complete_checkpoints(run_dir)
     if not checkpoints:
-        console.print(f"[bold red]error:[/] {run_dir} holds no complete checkpoint (looked in {run_dir / 'checkpoints'})")
+        console.print(f"[bold red]error:[/] {run_dir} holds no complete checkpoint (looked in {run_dir / 'checkpoints'})",
+                      soft_wrap=True)
         return 2
     bad = 0
     for path in checkpoints:

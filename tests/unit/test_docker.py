@@ -1,7 +1,8 @@
-"""The Docker images, checked without a Docker engine (this machine has none): hadolint passes on
-both with only the rules ``.hadolint.yaml`` explains ignored; every ``COPY`` source exists;
-every repository file an image runs exists and is executable, and its ``CMD`` is opd's console
-script on a recipe that exists; the images run as a non-root user; ``.dockerignore`` keeps the
+"""The Docker images, checked without building them (CI builds the CPU image and runs it:
+scripts/check_image.sh): hadolint passes on both with only the rules ``.hadolint.yaml`` explains
+ignored; every ``COPY`` source exists; every repository file an image runs exists and is
+executable, and its ``CMD`` is opd's console script on a recipe that exists; the images run as a
+non-root user, on the base they are given, with no secret in them; ``.dockerignore`` keeps the
 venv, runs, caches and build outputs out of the build context."""
 
 from __future__ import annotations
@@ -76,3 +77,16 @@ def test_dockerignore_keeps_the_venv_runs_and_caches_out():
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
                if line.strip() and not line.startswith("#")}
     assert {".venv", "runs", "test-artifacts", "**/__pycache__", ".git", "*.egg-info"} <= ignored
+
+
+@pytest.mark.parametrize("image", IMAGES, ids=lambda p: p.name)
+def test_an_image_builds_on_a_base_it_is_given_and_keeps_no_secret(image):
+    """The base is a build argument whose default is the public image a user pulls
+    (scripts/build_images.sh --local-base passes one made from Debian's packages); a CA bundle
+    reaches pip only as a build secret mounted for one step, and nothing sets it in the image."""
+    steps = _instructions(image)
+    assert ("ARG", "BASE=docker.io/library/python:3.11-slim-bookworm") in steps and ("FROM", "${BASE}") in steps
+    text = " ".join(args for _, args in steps)
+    assert not re.search(r"\.(crt|pem|key)\b", " ".join(args for op, args in steps if op in ("COPY", "ADD")))
+    assert not any(op == "ENV" and re.search(r"CERT|TOKEN|KEY", args, re.I) for op, args in steps)
+    assert "--mount=type=secret,id=pipcert" in text and "PIP_CERT=/run/secrets/pipcert" in text
