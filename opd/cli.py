@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     eval_p.add_argument("--step", type=int, help="a run directory's checkpoint step (0: the starting student); "
                         "same as RUN_DIR@N")
     eval_p.add_argument("--samples", type=int, default=8, help="episodes per task and budget: pass@k for k = 1..n")
-    eval_p.add_argument("--budgets", default="0.25,0.5,1", help="fractions of the environment's turn budget")
+    eval_p.add_argument("--budgets", default=None,
+                        help="fractions of the environment's turn budget, e.g. 0.25,0.5,1 (default: the expert's shortest "
+                        "and median solution and the whole budget, where the environment has an expert; else 0.25,0.5,1)")
     eval_p.add_argument("--temperature", type=float, help="sampling temperature (default: the recipe's rollout.temperature)")
     eval_p.add_argument("--tasks", type=int, help="number of tasks (default: run.eval_episodes)")
     eval_p.add_argument("--split", help="task split (default: env.eval_split)")
@@ -211,9 +213,11 @@ def _command(args: argparse.Namespace, console: Any) -> int:
     return 0
 
 
-def _fractions(text: str) -> list[float]:
+def _fractions(text: str | None) -> list[float] | None:
     from opd.config import ConfigError
 
+    if text is None:
+        return None
     try:
         return [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
@@ -230,7 +234,7 @@ def _export(run_dir: Path, out: Path, step: int | None, console: Any) -> int:
         return 2
     console.print(f"exported step {done} of {run_dir} to {out} ({', '.join(files)}); load it with "
                   f"AutoModelForCausalLM.from_pretrained or vLLM, or publish it with: "
-                  f"huggingface-cli upload YOUR_NAME/MODEL_NAME {out}", soft_wrap=True)
+                  f"hf upload YOUR_NAME/MODEL_NAME {out}", soft_wrap=True)
     return 0
 
 

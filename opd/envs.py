@@ -35,6 +35,8 @@ Example:
 
 from __future__ import annotations
 
+import difflib
+
 import copy
 import importlib
 import inspect
@@ -85,7 +87,11 @@ class UnknownEnvironmentError(ValueError):
 def unknown_environment(env_id: str, module: str = "") -> UnknownEnvironmentError:
     """The error for an unregistered ``env_id``: the registered ids, and how a user's own
     environment gets registered (``gymnasium.register`` in a module named in ``env.module``)."""
-    known = ", ".join([*registered_ids(), *_user_ids()])
+    ids = [*registered_ids(), *_user_ids()]
+    known = ", ".join(ids)
+    lower = {i.lower(): i for i in ids}
+    close = difflib.get_close_matches(env_id.lower(), list(lower), n=1, cutoff=0.75)
+    guess = f" did you mean {lower[close[0]]!r}?" if close else ""
     if module:
         how = (f"Module {module!r} (env.module) was imported but registered no {env_id!r}; check the id it "
                "passes to gymnasium.register")
@@ -93,7 +99,7 @@ def unknown_environment(env_id: str, module: str = "") -> UnknownEnvironmentErro
         how = ("For an environment of your own, call gymnasium.register(id=..., entry_point=\"your_pkg.envs:YourEnv\") "
                "in a module of yours and name that module in the recipe's env.module, which is imported first "
                "(docs/environments.md, \"Your own environment\")")
-    return UnknownEnvironmentError(f"unknown environment {env_id!r}; registered: {known}. {how}.")
+    return UnknownEnvironmentError(f"unknown environment {env_id!r};{guess} registered: {known}. {how}.")
 
 
 def make_env(env_id: str, **kwargs: Any) -> gymnasium.Env:

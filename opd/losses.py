@@ -22,6 +22,7 @@ import importlib
 import inspect
 import math
 import re
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
@@ -489,12 +490,58 @@ def needs_reference(terms: list[tuple[str, float, Mapping[str, Any]]]) -> bool:
     return any(loss_traits(name)["needs_reference"] for name, _, _ in terms)
 
 
+class LossError(RuntimeError):
+    """A loss term raised: the message names the term (its registered name or dotted path), what
+    it raised and the innermost line of its own code (:func:`loss_frame`). One string argument,
+    so that it crosses from a Ray actor to the driver intact."""
+
+    @classmethod
+    def of(cls, name: str, fn: Callable, exc: BaseException, when: str = "") -> "LossError":
+        return cls(f"loss {name!r} raised {type(exc).__name__}: {exc}{when} at {loss_frame(fn, exc.__traceback__)}")
+
+
+def loss_frame(fn: Callable, tb: Any) -> str:
+    """``file:line (code)`` of the innermost frame of ``tb`` in the loss's own code: the user's
+    files for a user's loss (not opd's, the standard library's or an installed package's), the
+    loss's module for one of opd's."""
+    import sysconfig
+    import traceback
+
+    frames = traceback.extract_tb(tb)
+    own = inspect.getsourcefile(fn) or ""
+    library = [str(Path(p).resolve()) for p in {sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")}]
+    opd_dir = str(Path(__file__).resolve().parent)
+
+    def users(filename: str) -> bool:
+        path = str(Path(filename).resolve())
+        return not path.startswith((opd_dir, *library)) or path == str(Path(own).resolve())
+
+    found = [f for f in frames if users(f.filename)] or frames[-1:]
+    if not found:
+        return "?"
+    frame = found[-1]
+    return f"{frame.filename}:{frame.lineno}" + (f" ({frame.line.strip()})" if frame.line else "")
+
+
 def combined_loss(batch: TokenBatch, terms: list[tuple[str, float, Mapping[str, Any]]]) -> tuple[torch.Tensor, dict[str, float]]:
-    """``sum_i weight_i * loss_i``; each term's metrics are prefixed with its name."""
+    """``sum_i weight_i * loss_i``; each term's metrics are prefixed with its name. A term that
+    raises becomes a :class:`LossError` naming it and the line of its code that raised."""
     total = None
     metrics: dict[str, float] = {}
     for name, weight, args in terms:
-        loss, term_metrics = resolve_loss(name)(batch, args)
+        fn = resolve_loss(name)
+        try:
+            result = fn(batch, args)
+        except Exception as exc:  # noqa: BLE001 - a user's loss may raise anything; it is named and re-raised
+            raise LossError.of(name, fn, exc) from exc
+        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)
+                and result[0].numel() == 1 and isinstance(result[1], Mapping)):
+            def kind(value: Any) -> str:
+                return f"tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+            got = f"({', '.join(map(kind, result))})" if isinstance(result, tuple) else kind(result)
+            raise LossError(f"loss {name!r} returned {got}; a loss returns (a scalar tensor, a dict of floats)")
+        loss, term_metrics = result
         total = weight * loss if total is None else total + weight * loss
         short = name.rsplit(".", 1)[-1]
         metrics[f"loss/{short}"] = float(loss.detach())

@@ -148,6 +148,13 @@ def save_model(model, tokenizer, directory: str | Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
+    # transformers writes the weights through a private temporary file (mode 0600) and the rest
+    # with the process's umask: give every file the mode config.json got, so that a directory
+    # someone shares (`opd export`, a model hub upload) is readable throughout.
+    mode = (directory / "config.json").stat().st_mode & 0o777
+    for path in directory.iterdir():
+        if path.is_file() and path.stat().st_mode & 0o777 != mode:
+            path.chmod(mode)
 
 
 def check_tokenizers_match(student_tok, teacher_tok) -> None:

@@ -202,7 +202,8 @@ class RunConfig:
     save_every_steps: int = 25  # checkpoint cadence; 0: only at the end
     keep_checkpoints: int = 2  # newest complete checkpoints kept
     trajectory_every_steps: int = 10  # write a sample of the step's scored episodes (token ids, behaviour and
-    # teacher logprobs) to trajectories/train_step_N.parquet every this many steps, for `opd report`; 0: never
+    # teacher logprobs) to trajectories/train_step_N.parquet every this many steps and at the first and the
+    # last step, for `opd report`; 0: never
     trajectory_episodes: int = 4  # episodes in each such sample (the first ones of the step)
     backend: Literal["ray", "local"] = "ray"  # ray: three actors; local: the same roles in this process, no Ray (pdb)
     async_steps: int = 0  # 1: step k+1's rollout runs while step k is scored and trained (weights one update stale)

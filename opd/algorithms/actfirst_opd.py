@@ -115,7 +115,7 @@ def train_step(ctx: RunContext, step: int) -> dict[str, float]:
     metrics = train_and_sync(ctx, plan, clock)
     metrics.update(stats.metrics())
     metrics.update(episode_metrics(trajs, {**extra, "generated_tokens": float(stats.fast_tokens + stats.full_tokens),
-                                           "generation_s": stats.generation_s}))
+                                           "generation_s": stats.generation_s}, cfg.rollout.group_size))
     metrics.update(teacher_metrics(scored))
     metrics["teacher_logprob_per_token"] = sum(sum(s.logprobs) for s in scores) / max(stats.full_tokens, 1)
     return clock.finish(with_reverse_kl_headline(metrics))

@@ -27,7 +27,7 @@ def train_step(ctx: RunContext, step: int) -> dict[str, float]:
     ctx.episodes.train_sample(step, trajs)
     batch = build_token_batch(trajs, None, ctx.fmt.pad_id, ctx.fmt, ctx.cfg.rollout.group_size)
     metrics = train_and_sync(ctx, batch, clock)
-    metrics.update(episode_metrics(trajs, gen))
+    metrics.update(episode_metrics(trajs, gen, ctx.cfg.rollout.group_size))
     return clock.finish(metrics)
 
 

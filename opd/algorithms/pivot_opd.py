@@ -261,7 +261,7 @@ def train_step(ctx: RunContext, step: int) -> dict[str, float]:
     if samples:
         batch = TokenBatch.concat([batch, recovery_rows(samples, ctx.fmt.pad_id)], ctx.fmt.pad_id)
     metrics = train_and_sync(ctx, batch, clock)
-    metrics.update(episode_metrics(trajs, gen))
+    metrics.update(episode_metrics(trajs, gen, cfg.rollout.group_size))
     metrics.update(stats.as_metrics())
     metrics.update({
         "pivot/failures": float(stats.failures),

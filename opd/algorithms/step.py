@@ -133,18 +133,33 @@ def train_and_sync(ctx: RunContext, batch: TokenBatch | BatchPlan, clock: StepCl
     return {k: v for k, v in train_metrics.items() if not k.startswith("time/")}
 
 
-def episode_metrics(trajs: list[Trajectory], gen: dict[str, float]) -> dict[str, float]:
-    """What every algorithm logs about a step's episodes and their generation."""
+def episode_metrics(trajs: list[Trajectory], gen: dict[str, float], group_size: int = 1) -> dict[str, float]:
+    """What every algorithm logs about a step's episodes and their generation: ``success``,
+    ``return`` (the mean of the episodes' summed rewards: partial credit shows here, not in
+    ``success``) and, for groups of ``group_size`` > 1 episodes of one task (GRPO's), the mean
+    spread of the return within a group (``return/group_std``, 0 where every sibling scored the
+    same and the group teaches nothing)."""
     turns = [turn for t in trajs for turn in t.turns]
     stale = {"rollout/staleness": gen["rollout/staleness"]} if "rollout/staleness" in gen else {}
-    return stale | {
+    returns = [t.total_reward for t in trajs]
+    groups = {"return/group_std": group_spread(returns, group_size)} if group_size > 1 and trajs else {}
+    return stale | groups | {
         "success": success_rate(trajs),
+        "return": sum(returns) / max(len(returns), 1),
         "turns_per_episode": len(turns) / max(len(trajs), 1),
         "env_errors": float(sum(t.end_reason == "env_error" for t in trajs)),
         "env_restarts": gen.get("env_restarts", 0.0),
         "valid_action_rate": sum(bool(turn.info.get("valid_action", False)) for turn in turns) / max(len(turns), 1),
         "tokens_per_s": gen["generated_tokens"] / max(gen["generation_s"], 1e-9),
     }
+
+
+def group_spread(values: list[float], group_size: int) -> float:
+    """The mean over groups of ``group_size`` consecutive ``values`` of their population standard
+    deviation (the spread GRPO's advantages divide by)."""
+    groups = [values[i:i + group_size] for i in range(0, len(values), group_size)]
+    spreads = [(sum((v - sum(g) / len(g)) ** 2 for v in g) / len(g)) ** 0.5 for g in groups]
+    return sum(spreads) / max(len(spreads), 1)
 
 
 def teacher_metrics(scores: list[TokenScores] | Scored) -> dict[str, float]:

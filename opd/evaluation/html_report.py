@@ -25,7 +25,7 @@ builds the viewer.
 Nothing is fetched when the page is viewed: the CSS and the script are inlined when the page is
 written, and the embedded JSON has every ``<``, ``>`` and ``&`` written as a ``\\u`` escape so that
 no text of a run (an observation holding ``</script>``, say) can end its block. The embedded
-episodes are capped: the first ``max_episodes_per_file`` episodes of a file and at most
+episodes are capped: ``max_episodes_per_file`` episodes of a file (:func:`sample_rows`) and at most
 :data:`MAX_FILES_PER_KIND` files of each kind (evenly spaced over the steps, the first and the
 last kept); the page says what it left out.
 
@@ -170,6 +170,12 @@ def _curve_panels(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         _panel("Gradient norm", "before clipping", _lines([_curve("grad_norm", _series(train, "grad_norm"))])),
         _panel("Learning rate", "", _lines([_curve("learning_rate", _series(train, "learning_rate"))])),
     ]
+    returns = _series(train, "return")
+    if any(abs(r - s) > 1e-9 for (_, r), (_, s) in zip(returns, _series(train, "success"))) \
+            or any("return/group_std" in r for r in train):  # else the same line as the training success
+        panels.insert(1, _panel("Return", "training episodes: the mean summed reward, and its spread within a group",
+                                _lines([_curve("return", returns),
+                                        _curve("return/group_std", _series(train, "return/group_std"), dashed=True)])))
     for prefix, title in (("pivot/", "PivotOPD"), ("actfirst/", "ActFirst")):
         panels.append(_panel(title, f"{prefix}* scalars",
                              _lines([_curve(k, _series(train, k)) for k in keys if k.startswith(prefix)])))
@@ -187,8 +193,17 @@ def _curve(label: str, points: list[tuple[float, float]], dashed: bool = False) 
 def _lines(curves: list[dict[str, Any]],
            y_range: tuple[float | None, float | None] = (None, None)) -> dict[str, Any] | None:
     """A line chart of the ``curves`` that have points, against steps; ``y_range`` is widened to
-    the data where it falls outside (``None``: the data's own bound). ``None`` without points."""
-    curves = [c for c in curves if c["points"]]
+    the data where it falls outside (``None``: the data's own bound). ``None`` without points.
+    A curve with the same points as an earlier one (``loss`` and its only term, the KL headline
+    and the term it comes from) is drawn once, its label naming both."""
+    kept: list[dict[str, Any]] = []
+    for curve in (c for c in curves if c["points"]):
+        same = next((k for k in kept if k["points"] == curve["points"]), None)
+        if same is None:
+            kept.append(dict(curve))
+        else:
+            same["label"] += f" = {curve['label']}"
+    curves = kept
     return {"kind": "line", "series": curves, "y_range": list(y_range)} if curves else None
 
 
@@ -327,7 +342,8 @@ def viewer_data(run_dir: Path, max_episodes_per_file: int = 64) -> dict[str, Any
     """The viewer's JSON: the run's episode files (``trajectories/`` and ``eval/*.episodes.parquet``),
     capped as the module docstring says, with what was left out."""
     run_dir = Path(run_dir)
-    paths = RunDir(run_dir).episode_files() + sorted((run_dir / "eval").glob("*.episodes.parquet"))
+    paths = RunDir(run_dir).episode_files() + sorted((run_dir / "eval").glob("*.episodes.parquet"),
+                                                     key=lambda p: (p.stat().st_mtime_ns, p.name))
     kinds: dict[str, list[Path]] = {}
     for path in paths:
         kinds.setdefault(_file_kind(path), []).append(path)
@@ -338,9 +354,35 @@ def viewer_data(run_dir: Path, max_episodes_per_file: int = 64) -> dict[str, Any
         for i in sorted(keep):
             rows = read_episodes(group[i])
             files.append({"name": group[i].name, "label": _file_label(group[i]), "group": kind,
-                          "total": len(rows), "episodes": [_episode(r) for r in rows[:max_episodes_per_file]]})
+                          "total": len(rows), "episodes": [_episode(r) for r in sample_rows(rows, max_episodes_per_file)]})
     return {"files": files, "omitted_files": omitted, "max_episodes_per_file": max_episodes_per_file,
             "palette": ratio_palette(), "ratio_step": RATIO_STEP, "ratio_steps": RATIO_STEPS}
+
+
+def sample_rows(rows: list[dict[str, Any]], limit: int) -> list[dict[str, Any]]:
+    """At most ``limit`` of ``rows`` (episodes), spread over what tells them apart: each turn
+    budget, sample and outcome (success or not) gets its turn in rotation, so an ``opd eval`` file
+    of 2,400 episodes shows every budget and both outcomes, not its first 64 (one budget, one
+    sample). Kept in the file's order."""
+    if len(rows) <= limit:
+        return rows
+    strata: dict[tuple, list[int]] = {}
+    for i, row in enumerate(rows):
+        strata.setdefault((row.get("turn_budget", 0), bool(row.get("success")), row.get("sample", 0)), []).append(i)
+    # Outcomes alternate within each budget, then budgets alternate, then samples.
+    order = sorted(strata, key=lambda key: (key[2], key[0], key[1]))
+    queues = [iter(strata[key]) for key in order]
+    picked: list[int] = []
+    while len(picked) < limit and queues:
+        alive = []
+        for queue in queues:
+            index = next(queue, None)
+            if index is not None:
+                alive.append(queue)
+                if len(picked) < limit:
+                    picked.append(index)
+        queues = alive
+    return [rows[i] for i in sorted(picked)]
 
 
 def _file_kind(path: Path) -> str:
@@ -411,7 +453,8 @@ def _viewer_section(data: dict[str, Any]) -> dict[str, Any]:
     notes = [f"{len(files)} episode files, {sum(len(f['episodes']) for f in files)} episodes embedded."]
     capped = [f for f in files if f["total"] > len(f["episodes"])]
     if capped:
-        notes.append(f"Only the first {data['max_episodes_per_file']} episodes of a file are embedded; left out: "
+        notes.append(f"At most {data['max_episodes_per_file']} episodes of a file are embedded, spread over its turn "
+                     "budgets, samples and outcomes; left out: "
                      + ", ".join(f"{f['total'] - len(f['episodes'])} of {f['total']} in {f['name']}" for f in capped) + ".")
     if data["omitted_files"]:
         notes.append(f"{len(data['omitted_files'])} files left out (at most {MAX_FILES_PER_KIND} of each kind, evenly "

@@ -60,6 +60,28 @@ def budget_turns(max_turns: int, fractions: Sequence[float]) -> list[tuple[float
     return [(fraction, turns) for turns, fraction in sorted(seen.items())]
 
 
+def solution_budgets(max_turns: int, lengths: Sequence[int]) -> list[tuple[float, int]]:
+    """The default grid where the environment's expert solved the tasks in ``lengths`` turns:
+    its shortest solution, its median and the whole budget, as ``(fraction, turns)`` pairs
+    (a budget below the shortest solution can only fail, whoever plays)."""
+    ordered = sorted(min(max(1, n), max_turns) for n in lengths)
+    picks = {ordered[0], ordered[(len(ordered) - 1) // 2], max_turns}
+    return [(turns / max_turns, turns) for turns in sorted(picks)]
+
+
+def expert_lengths(env_factory: Callable[[], Any], tasks: Sequence[str], seed: int) -> list[int]:
+    """The turns the environment's expert (``info["expert_action"]``) takes to solve each task it
+    solves; empty where it names no expert action or solves none."""
+    from opd.rollout.references import expert_reference
+
+    env = env_factory()
+    try:
+        references = [expert_reference(env, task, seed) for task in tasks]
+    finally:
+        env.close()
+    return [len(r.actions) for r in references if r.success and r.actions]
+
+
 @dataclass(frozen=True)
 class GridSpec:
     """What ``opd eval`` plays: ``samples`` episodes of every task under each budget in
@@ -79,9 +101,10 @@ Collect = Callable[[Any, list[str], float, int], list[Trajectory]]
 
 
 def play_grid(collect: Collect, factory_for_budget: Callable[[int], Any], tasks: list[str], spec: GridSpec,
-              advance: Callable[[int], None] = lambda n: None) -> dict[int, list[tuple[int, Trajectory]]]:
+              advance: Callable[[int, float], None] = lambda n, cost: None) -> dict[int, list[tuple[int, Trajectory]]]:
     """Every ``(sample, trajectory)`` of every task under each budget, keyed by the budget's
-    turns. Calls ``collect`` on chunks of ``spec.batch`` episodes; ``advance(n)`` after each."""
+    turns. Calls ``collect`` on chunks of ``spec.batch`` episodes; ``advance(n, turns)`` after
+    each (``turns``: the budget, what an episode of it may cost)."""
     played: dict[int, list[tuple[int, Trajectory]]] = {}
     for b, (_, turns) in enumerate(spec.budgets):
         factory = factory_for_budget(turns)
@@ -92,7 +115,7 @@ def play_grid(collect: Collect, factory_for_budget: Callable[[int], Any], tasks:
             seed = spec.seed * 1_000_003 + b * 10_007 + c
             trajs = collect(factory, [task for _, task in chunk], spec.temperature, seed)
             played[turns] += [(j, traj) for (j, _), traj in zip(chunk, trajs)]
-            advance(len(chunk))
+            advance(len(chunk), turns)
     return played
 
 
@@ -138,6 +161,8 @@ def render_grid(console: Any, result: dict[str, Any]) -> None:
     figures."""
     from rich.table import Table
 
+    from opd.evaluation.report import signed
+
     ks = shown_ks(result["samples"])
     table = Table(title=f"pass@k of {result['policy']} on {result['env']} ({result['split']}, {result['tasks']} tasks × "
                         f"{result['samples']} samples, T={result['temperature']:g}; "
@@ -146,17 +171,22 @@ def render_grid(console: Any, result: dict[str, Any]) -> None:
     for k in ks:
         table.add_column(f"pass@{k}", justify="right")
     cells = {(row["turns"], row["k"]): row for row in result["pass_at_k"]}
+    shortest = result.get("shortest_solution")
     for budget in result["by_budget"]:
-        table.add_row(f"{budget['turns']} ({100 * budget['fraction']:.0f}%)",
+        below = " [yellow]< shortest solution[/]" if shortest and budget["turns"] < shortest else ""
+        table.add_row(f"{budget['turns']} ({100 * budget['fraction']:.0f}%){below}",
                       *(_cell(cells[budget["turns"], k]) for k in ks))
     console.print(table)
+    if shortest and any(b["turns"] < shortest for b in result["by_budget"]):
+        console.print(f"[yellow]a budget below {shortest} turns cannot succeed[/]: the environment's expert needs at "
+                      f"least {shortest} on these tasks")
     detail = Table(title="per episode, by turn budget")
     for name in ("turn budget", "success", "score", "return", "turns", "invalid actions", "end reasons"):
         detail.add_column(name, justify="left" if name in ("turn budget", "end reasons") else "right")
     for b in result["by_budget"]:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(b["end_reasons"].items(), key=lambda kv: -kv[1]))
         detail.add_row(str(b["turns"]), f"{100 * b['success']:.1f}%", "n/a" if b["score"] is None else f"{b['score']:.2f}",
-                       f"{b['return']:.2f}", f"{b['mean_turns']:.2f}", f"{b['invalid_actions']:.2f}", reasons)
+                       signed(b["return"]), f"{b['mean_turns']:.2f}", f"{b['invalid_actions']:.2f}", reasons)
     console.print(detail)
 
 

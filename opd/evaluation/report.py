@@ -63,13 +63,24 @@ def step_status(metrics: dict[str, float], width: int | None = None) -> str:
         rest.append(f"kl {metrics[KL_KEY]:.3f}")
     if "pivot/found_rate" in metrics:
         rest.append(f"pivots {metrics['pivot/found_rate'] * metrics.get('pivot/failures', 0):.0f}")
-    rest.append(f"succ {metrics.get('success', 0.0):.2f} {metrics.get('time/step_s', 0.0):.1f}s/it")
+    rest.append(f"succ {metrics.get('success', 0.0):.2f}")
+    if "return/group_std" in metrics:  # a reward-driven step: the return and its spread within groups
+        rest.append(f"ret {signed(metrics.get('return', 0.0))}±{metrics['return/group_std']:.2f}")
+    elif "return" in metrics and abs(metrics["return"] - metrics.get("success", 0.0)) > 1e-6:  # partial credit
+        rest.append(f"ret {signed(metrics['return'])}")
+    rest.append(f"{metrics.get('time/step_s', 0.0):.1f}s/it")
     if "eval/student_success" in metrics:
         rest[-1] += f"  eval {metrics['eval/student_success']:.2f}"
     line = lambda: " ".join([f"loss {metrics.get('loss', float('nan')):+.3f}", *shown, *rest])  # noqa: E731
     while shown and width is not None and len(line()) > width:
         shown.pop()
     return line()
+
+
+def signed(value: float, digits: int = 2) -> str:
+    """``value`` to ``digits`` places, without a minus sign on a value that rounds to zero."""
+    text = f"{value:.{digits}f}"
+    return text[1:] if text.startswith("-") and float(text) == 0 else text
 
 
 def render_summary(console: Any, summary: dict[str, Any], cfg: OPDConfig) -> None:
@@ -88,14 +99,20 @@ def render_summary(console: Any, summary: dict[str, Any], cfg: OPDConfig) -> Non
     for key in extra:
         table.add_column(key.replace("_", " "), justify="right")
 
+    def figure(key: str, value: float | None) -> str:
+        if value is None:
+            return "n/a"
+        return fmt(value) if key.endswith("_rate") else signed(value, 3) if abs(value) < 1 else f"{value:.3g}"
+
     def row(label: str, success: float | None, who: str) -> None:
-        values = [figures.get(who, {}).get(key) for key in extra]
-        table.add_row(label, fmt(success), *("n/a" if v is None else f"{v:.3g}" for v in values))
+        table.add_row(label, fmt(success), *(figure(key, figures.get(who, {}).get(key)) for key in extra))
 
     row(f"teacher ({_source(cfg.teacher)})", summary["teacher_success"], "teacher")
     row(f"student before ({_source(cfg.student)})", summary["student_success_before"], "student_before")
     kind = "GRPO" if cfg.algorithm == "grpo" else "OPD"  # the one algorithm here that is not distillation
-    row(f"student after {summary['steps']} {kind} steps", summary["student_success_after"], "student_after")
+    steps = summary["steps"]
+    row(f"student after {steps} {kind} step{'' if steps == 1 else 's'}", summary["student_success_after"],
+        "student_after")
     console.print(table)
     check = summary.get("teacher_check")
     if check and not check["teacher_better"]:

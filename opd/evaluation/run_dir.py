@@ -128,9 +128,10 @@ class RunDir:
 
     def eval_results(self) -> list[tuple[Path, dict[str, Any]]]:
         """``(path, result)`` of each ``eval/*.json`` that parses: ``opd eval``'s grids and ``opd
-        compare``'s comparisons (``compare_*.json``), by name."""
+        compare``'s comparisons (``compare_*.json``), in the order they were written (``before``
+        then ``after``, not by name)."""
         found = []
-        for path in sorted((self.path / "eval").glob("*.json")):
+        for path in sorted((self.path / "eval").glob("*.json"), key=lambda p: (p.stat().st_mtime_ns, p.name)):
             data = read_json(path)
             if isinstance(data, dict):
                 found.append((path, data))

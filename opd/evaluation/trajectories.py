@@ -163,17 +163,21 @@ def _schema():
 
 class RunEpisodes:
     """A run's :class:`opd.algorithms.base.EpisodeRecorder`: training samples every
-    ``every`` steps (``0``: never) and every evaluation episode, under ``run_dir/trajectories``.
+    ``every`` steps and at the first and the ``last_step`` (so a short run's report has its
+    teacher colours too; ``every = 0``: never), and every evaluation episode, under
+    ``run_dir/trajectories``.
 
     ``tokenizers`` decodes each role's ids (the teacher's may differ from the student's).
     :attr:`seconds` accumulates the time spent writing training samples, which the driver
     reports per step as ``time/trajectory_write_s`` (part of ``time/step_s``).
     """
 
-    def __init__(self, run_dir: Path, tokenizers: dict[str, Any], every: int, episodes: int):
+    def __init__(self, run_dir: Path, tokenizers: dict[str, Any], every: int, episodes: int,
+                 last_step: int | None = None):
         self.dir = Path(run_dir) / "trajectories"
         self.tokenizers = tokenizers
         self.every = every
+        self.last_step = last_step
         self.episodes = episodes
         self.seconds = 0.0
         # A bare machine without pyarrow trains on, without episode files (opd.optional).
@@ -181,7 +185,7 @@ class RunEpisodes:
                                        "pyarrow") is not None
 
     def train_sample(self, step, trajs, scores=None, marks=None) -> None:
-        if not self.enabled or not self.every or step % self.every:
+        if not self.enabled or not self.every or (step % self.every and step not in (1, self.last_step)):
             return
         start = time.perf_counter()
         n = self.episodes

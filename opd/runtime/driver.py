@@ -53,17 +53,19 @@ from opd.evaluation.heldout import check_sampling, check_teacher, evaluate
 from opd.evaluation.report import render_summary, step_status, training_progress, write_report_plot
 from opd.evaluation.run_dir import RunDir
 from opd.evaluation.trajectories import RunEpisodes
+from opd.losses import LossError
 from opd.models import TokenizerMismatchError, check_tokenizers_match, load_tokenizer
 from opd.rollout.vanilla import episode_settings
 from opd.runtime.errors import RunError, WorkerError
 from opd.runtime.run_state import RunState, StateError
 from opd.runtime.tracking import MetricsLog, require_backends
+from opd.runtime.workers import recipe_loss_terms
 from opd.schema import OPDConfig
 from opd.training.checkpoint import (CheckpointError, atomic_write_text, complete_checkpoints, latest_checkpoint,
                                      save_checkpoint, verified_checkpoints)
 from opd.training.trainer import peak_rss_mb
 
-__all__ = ["RESUMABLE_KEYS", "RunError", "TrainingRun", "recipe_changes", "train"]
+__all__ = ["RESUMABLE_KEYS", "RunError", "TrainingRun", "finished_summary", "recipe_changes", "train"]
 
 # What a resumed run may change: how long it goes on, how often it evaluates and saves, where it
 # writes, and how long a call may take. Anything else would make the resumed run a different one.
@@ -87,6 +89,11 @@ def train(cfg: OPDConfig, resume: bool = False, console: Any = None) -> dict[str
     raised inside an actor (a bug, a NaN policy) or a hung call is not retried: it would recur.
     """
     log = console.log if console is not None else print
+    if resume and (done := finished_summary(cfg)) is not None:
+        log(f"{cfg.run.output_dir} is complete: it trained all {cfg.run.total_steps} steps (run.total_steps) and wrote "
+            "summary.json; nothing to do. Raise run.total_steps to train on. Its summary:")
+        render_summary(console, done, cfg)
+        return done
     restarts = 0
     while True:
         run = TrainingRun(cfg, resume, console)
@@ -112,6 +119,38 @@ def train(cfg: OPDConfig, resume: bool = False, console: Any = None) -> dict[str
             run.shutdown()
 
 
+def check_recipe_unchanged(cfg: OPDConfig) -> None:
+    """A resumed run's recipe may differ from its saved ``config.yaml`` in :data:`RESUMABLE_KEYS` only."""
+    run_dir = Path(cfg.run.output_dir)
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        return
+    changes = [c for c in recipe_changes(saved.read_text(), cfg) if c[0] not in RESUMABLE_KEYS]
+    if changes:
+        listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changes[:12])
+        raise ConfigError(
+            f"the recipe differs from the one {run_dir} was trained with ({saved}) in {len(changes)} key(s): "
+            f"{listed}. A resumed run may change only {', '.join(RESUMABLE_KEYS)}; run the changed recipe in a new "
+            "run.output_dir (nothing was changed).")
+
+
+def finished_summary(cfg: OPDConfig) -> dict[str, Any] | None:
+    """The run's ``summary.json`` when the run in ``run.output_dir`` has trained all
+    ``run.total_steps`` steps (its newest complete checkpoint is of that step): a ``--resume``
+    of it has nothing to train, and need not start a worker to say so."""
+    run_dir = Path(cfg.run.output_dir)
+    check_recipe_unchanged(cfg)
+    last = complete_checkpoints(run_dir)
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not last or last[-1].name != f"step_{cfg.run.total_steps}" or not isinstance(summary, dict) \
+            or summary.get("steps") != cfg.run.total_steps:
+        return None
+    return summary
+
+
 class TrainingRun:
     """One attempt of a run: call :meth:`setup`, :meth:`preflight`, :meth:`train`, then
     :meth:`summarize`; :meth:`shutdown` ends the roles whatever happened."""
@@ -134,6 +173,7 @@ class TrainingRun:
         atomic_write_text(self.run_dir / "config.yaml", to_yaml(self.cfg))
         start = time.perf_counter()
         student_path, teacher_path, tokenizers = self._models()
+        self._check_losses(len(tokenizers["student"]))
         env_factory, train_tasks, eval_tasks = self._tasks()
         self.workers = self._start_workers(student_path, teacher_path)
         cfg = self.cfg
@@ -142,7 +182,7 @@ class TrainingRun:
                               episode_settings(cfg, 0.0, cfg.run.eval_history),
                               ChatFormat.from_tokenizer(tokenizers["student"]),
                               RunEpisodes(self.run_dir, tokenizers, cfg.run.trajectory_every_steps,
-                                          cfg.run.trajectory_episodes),
+                                          cfg.run.trajectory_episodes, cfg.run.total_steps),
                               StepRollouts(cfg.run.async_steps, cfg.run.total_steps))
         self.algorithm = get_algorithm(cfg.algorithm)
         if self.resume:
@@ -157,18 +197,11 @@ class TrainingRun:
         """A fresh run needs a directory without checkpoints; a resumed one, the same recipe."""
         existing = complete_checkpoints(self.run_dir)
         if existing and not self.resume:
-            raise RunError(f"{self.run_dir} already holds checkpoint {existing[-1].name}; pass --resume to continue "
+            # The user's input, not a failure: a message, no traceback in that run's error.log.
+            raise ConfigError(f"{self.run_dir} already holds checkpoint {existing[-1].name}; pass --resume to continue "
                            "that run, or set run.output_dir to a new directory (nothing was changed).")
-        saved = self.run_dir / "config.yaml"
-        if not (self.resume and saved.is_file()):
-            return
-        changes = [c for c in recipe_changes(saved.read_text(), self.cfg) if c[0] not in RESUMABLE_KEYS]
-        if changes:
-            listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changes[:12])
-            raise RunError(
-                f"the recipe differs from the one {self.run_dir} was trained with ({saved}) in {len(changes)} key(s): "
-                f"{listed}. A resumed run may change only {', '.join(RESUMABLE_KEYS)}; run the changed recipe in a new "
-                "run.output_dir (nothing was changed).", resumable=False)
+        if self.resume:
+            check_recipe_unchanged(self.cfg)
 
     def _models(self) -> tuple[str, str, dict[str, Any]]:
         """The student's and the teacher's model directories (built first where the recipe says)
@@ -189,6 +222,18 @@ class TrainingRun:
             if cfg.supervision.cross_tokenizer:
                 self.log("supervision.cross_tokenizer is set but the tokenizers match: scoring re-tokenises anyway")
         return student_path, teacher_path, tokenizers
+
+    def _check_losses(self, vocab_size: int) -> None:
+        """Each loss of the recipe, once, on a probe batch (:mod:`opd.training.loss_check`): a loss
+        that raises stops the run now, not after the workers start and the evaluation runs."""
+        from opd.training.loss_check import check_losses
+
+        cfg = self.cfg
+        try:
+            check_losses(vocab_size, list(recipe_loss_terms(cfg)), cfg.supervision.scoring, cfg.supervision.top_k,
+                         cfg.algorithm)
+        except LossError as exc:
+            raise RunError(str(exc), resumable=False) from exc
 
     def _tasks(self) -> tuple[EnvFactory, list[str], list[str]]:
         """The environment's factory, its train tasks and the held-out tasks evaluated."""

@@ -103,14 +103,17 @@ def local_host(src: PolicySource) -> RolloutWorker:
     return RolloutWorker(EngineSpec.of(src.model_cfg, src.path, src.cfg.resources.torch_threads))
 
 
-def _progress(log: Any, what: str, total: int, prefix: str) -> tuple[Progress, Callable[[int], None]]:
+def _progress(log: Any, what: str, total: int, prefix: str,
+              total_work: float | None = None) -> tuple[Progress, Callable[..., None]]:
     """:class:`opd.progress.Progress` counted in steps of ``n``: returns it (a context manager)
-    and the ``advance(n)`` the grid and the comparison call."""
-    progress, done = Progress(log, what, total, prefix=prefix), [0]
+    and the ``advance(n, cost=1)`` the grid and the comparison call (``cost``: of each of the
+    ``n``, where items differ, out of ``total_work``)."""
+    progress, done = Progress(log, what, total, prefix=prefix, total_work=total_work), [0, 0.0]
 
-    def advance(n: int) -> None:
+    def advance(n: int, cost: float = 1.0) -> None:
         done[0] += n
-        progress.advance(done[0])
+        done[1] += n * cost
+        progress.advance(done[0], work=done[1])
 
     return progress, advance
 
@@ -127,14 +130,15 @@ def evaluate_command(source: str, recipe: str | None, overrides: list[str], cons
                      batch: int = 32, seed: int | None = None) -> dict[str, Any]:
     """``opd eval``: pass@k for k = 1 … ``samples`` over the turn-budget grid; writes
     ``<name>.json``, ``<name>.png`` and ``<name>.episodes.parquet`` and prints the tables."""
-    from opd.evaluation.passk import GridSpec, budget_turns, play_grid, plot_grid, render_grid, summarise
+    from opd.evaluation.passk import (GridSpec, budget_turns, expert_lengths, play_grid, plot_grid, render_grid,
+                                      solution_budgets, summarise)
     from opd.evaluation.trajectories import episode_rows, write_episodes
     from opd.rollout.vanilla import episode_settings
 
     log = console.log if console is not None else print
     if samples < 1 or batch < 1:
         raise ConfigError(f"--samples and --batch must be at least 1 (got {samples} and {batch})")
-    fractions = budgets or [0.25, 0.5, 1.0]
+    fractions = budgets or [0.25, 0.5, 1.0]  # without an expert to say what the tasks can be solved in
     if any(not 0 < f <= 1 for f in fractions):
         raise ConfigError(f"--budgets takes fractions of the environment's turn budget in (0, 1] (got {fractions})")
     src = resolve_source(source, recipe, overrides, log)
@@ -150,8 +154,15 @@ def evaluate_command(source: str, recipe: str | None, overrides: list[str], cons
         raise ConfigError(f"environment {cfg.env.id} has no integer 'max_turns' turn budget, so the turn-budget grid "
                           "cannot be played; pass --budgets 1")
     temperature = cfg.rollout.temperature if temperature is None else temperature
-    spec = GridSpec(samples=samples, budgets=budget_turns(max_turns, fractions), temperature=temperature,
-                    seed=cfg.run.seed if seed is None else seed, batch=batch)
+    seed = cfg.run.seed if seed is None else seed
+    # What the tasks can be solved in: the expert's episodes, where the environment has an expert.
+    lengths = expert_lengths(EnvFactory.of(cfg.env), task_ids, seed)
+    shortest = min(lengths) if lengths else None
+    grid = budget_turns(max_turns, fractions) if budgets or not lengths else solution_budgets(max_turns, lengths)
+    spec = GridSpec(samples=samples, budgets=grid, temperature=temperature, seed=seed, batch=batch)
+    if shortest is not None:
+        log(f"the environment's expert solves {len(lengths)} of the {len(task_ids)} tasks in {shortest} to "
+            f"{max(lengths)} turns" + ("" if budgets else "; the budgets: its shortest, its median and the whole budget"))
     name = name or src.name
     out_dir = Path(out) if out else src.out_dir
     log(f"evaluating {src.label} ({src.path}) on {cfg.env.id} {split}: {len(task_ids)} tasks × {samples} samples at "
@@ -165,7 +176,9 @@ def evaluate_command(source: str, recipe: str | None, overrides: list[str], cons
     def factory_for(turns: int) -> EnvFactory:
         return EnvFactory.of(cfg.env, max_turns=turns)
 
-    progress, advance = _progress(log, "episode", len(task_ids) * samples * len(spec.budgets), "eval")
+    # An episode's cost is its budget's turns, at most: the time left counts the long budgets to come.
+    progress, advance = _progress(log, "episode", len(task_ids) * samples * len(spec.budgets), "eval",
+                                  total_work=float(len(task_ids) * samples * sum(t for _, t in spec.budgets)))
     start = time.perf_counter()
     try:
         with progress:
@@ -177,6 +190,7 @@ def evaluate_command(source: str, recipe: str | None, overrides: list[str], cons
               "tasks": len(task_ids), "samples": samples, "temperature": temperature, "max_turns": max_turns,
               "confidence": spec.confidence, "ci_method": f"percentile bootstrap over tasks, {spec.resamples} resamples",
               "budgets": [{"fraction": f, "turns": t} for f, t in spec.budgets], "seconds": time.perf_counter() - start,
+              "shortest_solution": shortest,
               **summarise(played, spec)}
     rows = [row for turns, pairs in played.items()
             for row in episode_rows([traj for _, traj in pairs], host.tokenizer, 0, name,

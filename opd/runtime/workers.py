@@ -80,13 +80,18 @@ class RoleSpecs:
     trainer: TrainerSpec
 
 
-def role_specs(cfg: OPDConfig, student_path: str, teacher_path: str) -> RoleSpecs:
-    """The specs of a recipe's teacher, rollout worker and trainer (each rank's is the same)."""
+def recipe_loss_terms(cfg: OPDConfig) -> tuple[tuple[str, float, dict], ...]:
+    """``(name, weight, args)`` of each term of the recipe's ``losses``, as the trainer takes them."""
     from omegaconf import OmegaConf
 
+    return tuple((loss.name, float(loss.weight), OmegaConf.to_container(loss.args, resolve=True))
+                 for loss in cfg.losses)
+
+
+def role_specs(cfg: OPDConfig, student_path: str, teacher_path: str) -> RoleSpecs:
+    """The specs of a recipe's teacher, rollout worker and trainer (each rank's is the same)."""
     threads = cfg.resources.torch_threads or os.cpu_count() or 1
-    loss_terms = tuple((loss.name, float(loss.weight), OmegaConf.to_container(loss.args, resolve=True))
-                       for loss in cfg.losses)
+    loss_terms = recipe_loss_terms(cfg)
     cross = cfg.supervision.cross_tokenizer
     return RoleSpecs(
         threads=threads,

@@ -21,7 +21,8 @@ import pytest
 
 from opd.evaluation.html_report import RATIO_STEPS, ratio_bucket, ratio_palette, write_html_report
 from opd.evaluation.trajectories import read_episodes
-from tests.unit.test_html_report import HOSTILE, make_run_dir
+from opd.evaluation.trajectories import write_episodes
+from tests.unit.test_html_report import HOSTILE, episode_row, make_run_dir
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 TINY = Path(__file__).resolve().parents[1] / "data" / "tiny.yaml"
@@ -131,6 +132,7 @@ def _three(x: float) -> str:
 
 def test_the_viewer_shows_the_chosen_training_episode_token_by_token(browser, trained_run, tmp_path):
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
 
     report = write_html_report(trained_run)
     print(f"\nreport: {report} ({report.stat().st_size / 1024:.0f} KiB)")
@@ -141,6 +143,7 @@ def test_the_viewer_shows_the_chosen_training_episode_token_by_token(browser, tr
 
     episode = read_episodes(trained_run / "trajectories" / "train_step_2.parquet")[1]
     _choose(browser, "train_step_2.parquet", 1)
+    Select(browser.find_element(By.ID, "scale-select")).select_by_value("fixed")  # the colours Python bucketed
     view = browser.find_element(By.ID, "episode-view")
     text = view.get_attribute("textContent")
     assert f"train · step 2: episode 1, task {episode['task']}" in text
@@ -199,3 +202,45 @@ def test_script_tags_in_an_observation_stay_text(browser, tmp_path):
     assert browser.execute_script("return document.querySelector('img.plot').naturalWidth") > 0
     assert _severe(browser) == []
     print("screenshots:", *_screenshots(browser, tmp_path, "hostile"), sep="\n  ")
+
+
+def test_a_late_step_is_coloured_relative_to_its_file_and_the_largest_disagreement_is_found(browser, tmp_path):
+    """Issue 54, item 6: at step 150 every log-ratio is near 0.01 and the fixed scale (±3 nats)
+    is white. ``auto`` stretches the colours to the file's largest ratio; "largest disagreement"
+    scrolls to the token the teacher finds least likely; the episode picker's label is not cut."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    run = make_run_dir(tmp_path, episodes=3)
+    late = [episode_row(150, i, teacher=(-1.01, -0.99, -1.0 - 0.02 * (i + 1)), success=i == 0) for i in range(3)]
+    write_episodes(run / "trajectories" / "train_step_150.parquet", late)
+    _open(browser, write_html_report(run))
+    _choose(browser, "train_step_150.parquet", 1)
+    view = browser.find_element(By.ID, "episode-view")
+    palette = ratio_palette()
+    colours = [s.value_of_css_property("background-color") for s in view.find_elements(By.CSS_SELECTOR, "span.tok")]
+    # The file's largest |ratio| is 0.06 (episode 2): episode 1's -0.04 token is two thirds of the way to red.
+    assert colours[2] == _rgb(palette[RATIO_STEPS + round(-0.04 / (0.06 / RATIO_STEPS))]) != _rgb(palette[RATIO_STEPS])
+    assert "this file's largest" in browser.find_element(By.ID, "scale-low").text
+    Select(browser.find_element(By.ID, "scale-select")).select_by_value("fixed")
+    fixed = [s.value_of_css_property("background-color") for s in view.find_elements(By.CSS_SELECTOR, "span.tok")]
+    assert set(fixed) == {_rgb(palette[RATIO_STEPS])}  # what the trial saw: white
+    Select(browser.find_element(By.ID, "scale-select")).select_by_value("episode")
+    tokens = view.find_elements(By.CSS_SELECTOR, "span.tok")
+    assert tokens[2].value_of_css_property("background-color") == _rgb(palette[0])  # its own largest: full red
+
+    browser.find_element(By.ID, "jump-disagreement").click()
+    found = view.find_elements(By.CSS_SELECTOR, "span.tok.found")
+    assert len(found) == 1 and abs(float(found[0].get_attribute("data-ratio")) + 0.04) < 1e-9
+    assert browser.find_element(By.ID, "jump-note").text == "turn 1: log-ratio -0.040"
+
+    # The picker shows the outcome and the turns first, and is wide enough for its whole label.
+    picker = browser.find_element(By.ID, "episode-select")
+    label = Select(picker).first_selected_option.text
+    assert label.startswith("#1 · ✗ truncated · 2 turns · reward 1.000"), label
+    assert browser.execute_script(
+        "var s = arguments[0], c = document.createElement('canvas').getContext('2d');"
+        "c.font = getComputedStyle(s).font; return c.measureText(s.options[s.selectedIndex].text).width < s.clientWidth;",
+        picker), label
+    assert _severe(browser) == []
+    print("screenshots:", *_screenshots(browser, tmp_path, "late_step"), sep="\n  ")

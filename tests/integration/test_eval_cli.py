@@ -50,6 +50,29 @@ def test_eval_writes_the_pass_at_k_grid_the_plot_and_the_episodes(tmp_path, caps
     assert (out / "teacher.png").stat().st_size > 5000
 
 
+def test_eval_picks_its_default_budgets_from_the_experts_solutions(tmp_path, capsys, monkeypatch):
+    """Issue 54, item 2: without --budgets, the grid is the expert's shortest and median solution
+    and the whole budget (no budget every policy must fail), said on the console and in the JSON."""
+    from opd.cli import main
+    from opd.config import load_config
+    from opd.envs import EnvFactory
+    from opd.evaluation.passk import expert_lengths, solution_budgets
+
+    monkeypatch.setenv("COLUMNS", "400")  # rich would wrap the line checked below
+    out = tmp_path / "eval"
+    assert main(["eval", f"{TINY}@teacher", *_cache(tmp_path), "--samples", "2", "--tasks", "4", "--out", str(out),
+                 "--name", "default"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    cfg = load_config(TINY)
+    tasks = EnvFactory.of(cfg.env)().unwrapped.task_ids(cfg.env.eval_split)[:4]
+    lengths = expert_lengths(EnvFactory.of(cfg.env), tasks, cfg.run.seed)
+    result = json.loads((out / "default.json").read_text())
+    assert result["shortest_solution"] == min(lengths)
+    assert [(b["fraction"], b["turns"]) for b in result["budgets"]] == solution_budgets(6, lengths)
+    assert f"the environment's expert solves 4 of the 4 tasks in {min(lengths)} to {max(lengths)} turns" in printed
+    assert "< shortest solution" not in printed
+
+
 def test_compare_reports_matched_states_and_refuses_a_bad_source(tmp_path, capsys):
     from opd.cli import main
 

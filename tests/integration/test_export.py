@@ -61,7 +61,7 @@ def test_export_writes_a_model_that_transformers_and_vllm_load_with_the_trainers
     out = tmp_path / "model"
     assert main(["export", str(run_dir), str(out), "--step", "2"]) == 0
     said = " ".join(capsys.readouterr().out.split())
-    assert f"exported step 2 of {run_dir} to {out}" in said and "huggingface-cli upload" in said
+    assert f"exported step 2 of {run_dir} to {out}" in said and "hf upload" in said
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
             "chat_template.jinja"} <= {p.name for p in out.iterdir()}
 

@@ -234,7 +234,10 @@ def test_a_failure_inside_an_actor_is_one_message_with_the_way_back(tmp_path, ra
             "losses.0.name=tests.integration.nan_loss.fails_on_fifth_call", "run.total_steps=3"]
     assert main(["train", str(TINY), *args]) == 1
     out = " ".join(capsys.readouterr().out.split())
-    assert "error: the trainer failed in train_step: RuntimeError: boom: this loss has a bug" in out
+    # The loss is named, with the line of the user's code that raised.
+    assert ("error: the trainer failed in train_step: LossError: loss 'tests.integration.nan_loss.fails_on_fifth_call' "
+            "raised RuntimeError: boom: this loss has a bug at ") in out
+    assert 'nan_loss.py:17 (raise RuntimeError("boom: this loss has a bug"))' in out
     assert "during training step 3" in out
     assert f"last complete checkpoint: {tmp_path / 'run' / 'checkpoints' / 'step_2'}" in out
     assert f"resume with: opd train {TINY} {' '.join(args)} --resume" in out

@@ -96,8 +96,10 @@ def test_stage_progress_logs_each_tenth_at_most_every_few_seconds_and_a_bar_on_a
         progress.advance(k, "loss 1.0000")
     progress.finish("loss 1.0000")
     counts = [int(line.split()[3].split("/")[0]) for line in lines]
-    assert counts == [10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
-    assert lines[5] == "bootstrap: SFT step 60/100, loss 1.0000 (45s, about 30s left)"
+    # A first line once 3 s have gone (FIRST_LINE_S), then each tenth.
+    assert counts == [6, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
+    assert lines[0] == "bootstrap: SFT step 6/100, loss 1.0000 (3s, about 47s left)"
+    assert lines[6] == "bootstrap: SFT step 60/100, loss 1.0000 (45s, about 30s left)"
     lines.clear()
     now[0] = 0.0
     progress = Progress(lines.append, "SFT step", total=100, prefix="bootstrap", clock=lambda: now[0])
@@ -105,7 +107,17 @@ def test_stage_progress_logs_each_tenth_at_most_every_few_seconds_and_a_bar_on_a
         now[0] += 0.125  # 12.5 s in all: lines no closer than 5 s
         progress.advance(k)
     progress.finish()
-    assert [int(line.split()[3].split("/")[0]) for line in lines] == [40, 80, 100]
+    assert [int(line.split()[3].split("/")[0]) for line in lines] == [24, 40, 80, 100]
+    # A stage whose tenths are far apart (the prompt-dataset teacher's 1,500 SFT steps) says how it
+    # goes within seconds, then at least every 30 s (QUIET_MAX_S).
+    lines.clear()
+    now[0] = 0.0
+    progress = Progress(lines.append, "SFT step", total=1500, prefix="bootstrap", clock=lambda: now[0])
+    for k in range(1, 201):
+        now[0] += 0.8
+        progress.advance(k)
+    times = [float(line.split("(")[1].split("s")[0]) for line in lines]
+    assert times[0] <= 3.2 and all(b - a <= 31.5 for a, b in zip(times, times[1:])) and len(lines) == 6, lines
 
     from rich.console import Console
 
@@ -211,3 +223,23 @@ def test_an_envs_data_version_is_in_the_key_so_a_changed_generator_retrains(monk
     monkeypatch.setattr("opd.bootstrap.cache.digest", lambda payload: hashed.append(payload) or "k")
     bootstrap_key(boot, frozen, 0), bootstrap_key(boot, alfworld, 0)
     assert hashed[0]["data"] == "" and hashed[1]["data"] == "generator-v2"
+
+
+def test_the_time_left_weighs_items_by_their_cost():
+    """Issue 54, item 9: ``opd eval`` said 53 s left at 960 of 2,400 episodes and took 113 s more,
+    because the episodes of the larger budgets to come take longer. With ``total_work`` the time
+    left is the work to go at the time per unit of work."""
+    now = [0.0]
+    lines: list[str] = []
+    costs = [2] * 800 + [4] * 800 + [8] * 800  # three budgets' episodes, each taking its turns' time
+    progress = Progress(lines.append, "episode", total=len(costs), prefix="eval", clock=lambda: now[0],
+                        total_work=float(sum(costs)))
+    work = 0.0
+    for done, cost in enumerate(costs[:960], start=1):
+        now[0] += 0.01 * cost
+        work += cost
+        progress.advance(done, work=work)
+    left = sum(costs[960:]) * 0.01
+    assert progress.eta_s(960) == pytest.approx(left)  # 89.6 s, exactly what is left
+    assert progress.eta_s(960) > 2.5 * (now[0] / 960 * (len(costs) - 960))  # the unweighted guess: 2.6x short
+    assert lines and lines[-1].endswith(f"about {left:.0f}s left)"), lines[-1]

@@ -71,6 +71,15 @@ def test_check_env_passes_on_fixed_tiny_env() -> None:
 def test_make_env_unknown_id_lists_registered() -> None:
     with pytest.raises(ValueError, match="unknown environment 'opd/Nope-v0'.*opd/FrozenLakeText-v0"):
         make_env("opd/Nope-v0")
+    # A typo gets the id it is closest to (issue 54, item 9); a name like none of them, no guess.
+    with pytest.raises(ValueError, match="unknown environment 'opd/FrozenLakeTxt-v0'; did you mean "
+                                         "'opd/FrozenLakeText-v0'\\? registered: "):
+        make_env("opd/FrozenLakeTxt-v0")
+    with pytest.raises(ValueError, match="did you mean 'opd/ALFWorldText-v0'"):
+        make_env("opd/alfworldtext-v0")
+    with pytest.raises(ValueError) as caught:
+        make_env("opd/Nope-v0")
+    assert "did you mean" not in str(caught.value)
 
 
 def test_list_envs_includes_frozenlake_with_description() -> None:

@@ -151,8 +151,9 @@ def test_a_full_run_has_every_panel_the_tables_and_the_header(tmp_path):
     assert [s["dashed"] for s in success["series"]] == [False, True, False] and success["y_range"] == [0.0, 1.0]
     assert labels(panels["KL to the teacher"]) == ["reverse_kl_per_token", "reverse_kl/reverse_kl"]  # not clip_frac
     assert points(panels["KL to the teacher"], "reverse_kl_per_token") == [[1.0, 0.1], [2.0, 0.2]]
-    assert labels(panels["Losses"]) == ["loss", "loss/reverse_kl"]
-    assert points(panels["Losses"], "loss") == [[1.0, 0.5], [2.0, 0.25]]
+    # One term: the total and the term are the same numbers, drawn once (issue 54, item 7).
+    assert labels(panels["Losses"]) == ["loss = loss/reverse_kl"]
+    assert points(panels["Losses"], "loss = loss/reverse_kl") == [[1.0, 0.5], [2.0, 0.25]]
     assert panels["Weight sync"]["y_range"] == [0.0, None]
     assert labels(panels["Held-out turns"]) == ["eval/student_turns"]  # the teacher's turns were not logged
     # Step time: the phases stacked in the run's order, and what they leave of time/step_s as "other".
@@ -203,7 +204,7 @@ def test_a_long_run_is_thinned_to_bin_means(tmp_path, monkeypatch):
     monkeypatch.setattr(html_report, "MAX_POINTS", 2)
     page = write_html_report(make_run_dir(tmp_path, train_steps=(1, 2, 3, 4))).read_text()
     panels = charts(page)
-    assert points(panels["Losses"], "loss") == [[1.5, (0.5 + 0.25) / 2], [3.5, (0.5 / 3 + 0.125) / 2]]
+    assert points(panels["Losses"], "loss = loss/reverse_kl") == [[1.5, (0.5 + 0.25) / 2], [3.5, (0.5 / 3 + 0.125) / 2]]
     assert [x for point in points(panels["KL to the teacher"], "reverse_kl_per_token") for x in point] == \
         pytest.approx([1.5, 0.15, 3.5, 0.35])
     assert [step for step, _ in panels["Step time"]["stacks"]] == [2.0, 4.0]  # a bin at its last step
@@ -260,7 +261,8 @@ def test_token_colours_and_titles_follow_the_log_ratio(tmp_path):
     # The title the viewer gives each token span carries both logprobs and their ratio.
     js = asset("report.js")
     for text in ('"student (behaviour) logprob " + num(b)', '"teacher logprob " + num(t)',
-                 '"log-ratio teacher - student " + num(t - b)', 'span.style.backgroundColor = data.palette[turn.c[i] + N]'):
+                 '"log-ratio teacher - student " + num(t - b)', 'span.style.backgroundColor = data.palette[bucket(turn, i) + N]',
+                 'if (step === data.ratio_step) { return turn.c[i]; }'):
         assert text in js, text
     assert "badge" in js and 'el("span", "tok")' in js
 
@@ -291,3 +293,54 @@ def test_a_run_without_episodes_or_metrics_still_gets_a_page(tmp_path):
     assert viewer_data(run)["files"] == []
     with pytest.raises(FileNotFoundError, match="no run directory"):
         write_html_report(tmp_path / "missing")
+
+
+def test_a_series_with_the_same_numbers_as_another_is_drawn_once_and_returns_get_a_panel(tmp_path):
+    """Issue 54, items 1 and 7: the KL headline and its term (one line under the other before)
+    are one line named for both; the training return, where it says more than success, has its
+    panel with the spread within GRPO's groups."""
+    run = make_run_dir(tmp_path)
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for line in lines:
+        if "loss" in line:
+            line.update({"reverse_kl/reverse_kl": line["reverse_kl_per_token"], "return": 0.75, "return/group_std": 0.25})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    panels = charts(write_html_report(run).read_text())
+    assert labels(panels["KL to the teacher"]) == ["reverse_kl_per_token = reverse_kl/reverse_kl"]
+    assert list(panels)[:2] == ["Success", "Return"]
+    assert labels(panels["Return"]) == ["return", "return/group_std"]
+    assert points(panels["Return"], "return") == [[1.0, 0.75], [2.0, 0.75]]
+    # Where every return equals success (no reward but the goal), no panel repeats the success line.
+    for line in lines:
+        line.pop("return/group_std", None)
+        if "return" in line:
+            line["return"] = line["success"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert "Return" not in charts(write_html_report(run).read_text())
+
+
+def test_evaluations_are_listed_in_the_order_they_were_run(tmp_path):
+    """Issue 54, item 7: ``opd eval --name before`` then ``--name after`` read before, after (not by name)."""
+    import os
+
+    run = make_run_dir(tmp_path)
+    before = json.loads((run / "eval" / "before.json").read_text())
+    (run / "eval" / "after.json").write_text(json.dumps({**before, "name": "after", "plot": None}))
+    for i, name in enumerate(("before.json", "compare_ab.json", "after.json")):
+        os.utime(run / "eval" / name, ns=(10**18 + i * 10**9,) * 2)
+    page = write_html_report(run).read_text()
+    assert page.index("<h3>before") < page.index("<h3>after"), re.findall(r"<h3>[^<]*", page)
+
+
+def test_an_evaluation_file_is_sampled_across_budgets_samples_and_outcomes(tmp_path):
+    """Issue 54, item 2: 2,400 episodes of ``opd eval`` embedded as 64 over every budget, sample
+    and outcome, not the first 64 (all sample 0 at the smallest budget)."""
+    from opd.evaluation.html_report import sample_rows
+
+    rows = [{"turn_budget": budget, "sample": sample, "success": budget == 8 and task % 3 == 0, "task": task}
+            for budget in (2, 4, 8) for sample in range(8) for task in range(100)]
+    picked = sample_rows(rows, 64)
+    assert len(picked) == 64 and picked == [r for r in rows if r in picked]  # the file's order
+    assert {r["turn_budget"] for r in picked} == {2, 4, 8} and {r["sample"] for r in picked} == set(range(8))
+    assert {r["success"] for r in picked if r["turn_budget"] == 8} == {True, False}
+    assert sample_rows(rows[:10], 64) == rows[:10]

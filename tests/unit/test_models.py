@@ -31,6 +31,10 @@ def test_tiny_qwen3_is_seeded_and_round_trips_through_safetensors(tokenizer, tmp
     assert a.config.head_dim == 64 and a.config.vocab_size == len(tokenizer)
     save_model(a, tokenizer, tmp_path)
     assert (tmp_path / "model.safetensors").is_file() and not list(tmp_path.glob("*.bin"))
+    # Every file of the directory is as readable as config.json (transformers wrote the weights 0600:
+    # an exported model then failed to load for anyone else; issue 54, item 8).
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert set(modes.values()) == {modes["config.json"]}, modes
     loaded = load_model(str(tmp_path)).state_dict()
     assert all((loaded[k] == sa[k]).all() for k in sa)
 

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from opd.envs import EnvFactory
-from opd.evaluation.passk import (GridSpec, bootstrap_interval, budget_turns, pass_at_k, play_grid, shown_ks,
-                                  summarise)
+from opd.evaluation.passk import (GridSpec, bootstrap_interval, budget_turns, expert_lengths, pass_at_k, play_grid,
+                                  render_grid, shown_ks, solution_budgets, summarise)
 from opd.trajectory import Trajectory, Turn
 
 
@@ -91,8 +91,10 @@ def test_each_budget_is_played_for_real_under_its_own_turn_limit():
     spec = GridSpec(samples=2, budgets=budget_turns(8, [0.25, 0.5, 1.0]), temperature=0.0, batch=5)
     advanced = []
     played = play_grid(expert_collect, lambda turns: EnvFactory("opd/FrozenLakeText-v0", {**base, "max_turns": turns}),
-                       tasks, spec, advanced.append)
-    assert sum(advanced) == len(tasks) * 2 * 3
+                       tasks, spec, lambda n, cost: advanced.append((n, cost)))
+    assert sum(n for n, _ in advanced) == len(tasks) * 2 * 3
+    # Each chunk's cost is its budget's turns: what the time left of `opd eval` weighs it by.
+    assert sum(n * cost for n, cost in advanced) == len(tasks) * 2 * (2 + 4 + 8)
     full = {traj.task: len(traj.turns) for _, traj in played[8] if traj.success}
     assert len(full) == len(tasks)  # the expert solves every task given its whole budget
     for turns in (2, 4):
@@ -101,3 +103,37 @@ def test_each_budget_is_played_for_real_under_its_own_turn_limit():
             assert traj.success == (full[traj.task] <= turns), (turns, traj.task, full[traj.task])
     shares = [summarise(played, spec)["by_budget"][b]["success"] for b in range(3)]
     assert shares[0] <= shares[1] < shares[2] == 1.0 and not math.isnan(shares[0])
+
+
+def test_default_budgets_come_from_the_experts_solutions_and_a_budget_below_them_is_flagged():
+    """Issue 54, item 2: the quickstart's FrozenLake needs at least 6 moves, so budgets of 2 and 4
+    turns (0.25 and 0.5 of 8) were 0% for every policy. The default grid is the expert's shortest
+    and median solution and the whole budget; a budget given below the shortest is flagged."""
+    import io
+
+    from rich.console import Console
+
+    base = {"map_size": 4, "max_turns": 8, "n_eval_tasks": 12}
+    factory = EnvFactory("opd/FrozenLakeText-v0", base)
+    tasks = factory().unwrapped.task_ids("eval")
+    lengths = expert_lengths(factory, tasks, seed=0)
+    assert len(lengths) == len(tasks) and all(1 <= n <= 8 for n in lengths)
+    ordered = sorted(lengths)
+    grid = solution_budgets(8, lengths)
+    assert [t for _, t in grid] == sorted({ordered[0], ordered[(len(ordered) - 1) // 2], 8})
+    assert all(f == t / 8 for f, t in grid)
+    assert solution_budgets(6, [3, 9, 9]) == [(0.5, 3), (1.0, 6)]  # capped at the budget, no repeats
+    assert expert_lengths(EnvFactory("opd/PromptDataset-v0", {"path": "environments/prompt_data/arith_tiny.jsonl"}),
+                          ["row-00000"], 0) == [1]  # a prompt dataset: one answer, one turn
+
+    result = {"policy": "p", "env": "e", "split": "eval", "tasks": 2, "samples": 1, "temperature": 1.0,
+              "confidence": 0.95, "shortest_solution": 6, "pass_at_k": [
+                  {"turns": t, "k": 1, "value": v, "low": v, "high": v} for t, v in ((2, 0.0), (8, 0.5))],
+              "by_budget": [{"turns": t, "fraction": t / 8, "success": v, "score": None, "return": r, "mean_turns": t,
+                             "invalid_actions": 0.0, "end_reasons": {}} for t, v, r in ((2, 0.0, -0.001), (8, 0.5, 0.5))]}
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    render_grid(console, result)
+    shown = console.file.getvalue()
+    assert "2 (25%) < shortest solution" in shown and "8 (100%) <" not in shown
+    assert "a budget below 6 turns cannot succeed" in shown
+    assert "-0.00" not in shown and " 0.00 " in shown  # a return that rounds to zero has no sign

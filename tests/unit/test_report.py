@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 from opd.evaluation.report import second_panel, short_name, step_status, training_progress, write_report_plot
 from opd.progress import format_duration
@@ -83,3 +84,50 @@ def test_the_second_panel_is_the_kl_headline_when_logged_else_each_loss_term(tmp
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     out = write_report_plot(tmp_path)
     assert out == tmp_path / "report.png" and out.stat().st_size > 0
+
+
+def test_training_returns_are_logged_with_their_spread_within_groups_and_shown_where_they_differ(capsys):
+    """Issue 54, item 1: GRPO with partial credit (1 exact, 0.5 case-insensitive): the 0.5s show."""
+    from opd.algorithms.step import episode_metrics, group_spread
+    from opd.trajectory import Trajectory, Turn
+
+    def episode(reward: float) -> Trajectory:
+        traj = Trajectory(task="t", turns=[Turn([], [1], [0.0], 0, 1, "a", "obs", reward, info={"valid_action": True})])
+        traj.success = reward == 1.0
+        return traj
+
+    rewards = [1.0, 0.5, 0.5, 0.5, 0.0, 0.0, 1.0, 1.0]  # two groups of four
+    metrics = episode_metrics([episode(r) for r in rewards], {"generated_tokens": 8.0, "generation_s": 1.0}, 4)
+    assert metrics["success"] == 3 / 8 and metrics["return"] == sum(rewards) / 8
+    # The population std of each group: sqrt(0.046875) for (1, .5, .5, .5), 0.5 for (0, 0, 1, 1).
+    assert abs(metrics["return/group_std"] - (0.046875 ** 0.5 + 0.5) / 2) < 1e-12
+    assert group_spread(rewards, 4) == metrics["return/group_std"]
+    assert "return/group_std" not in episode_metrics([episode(1.0)], {"generated_tokens": 1.0, "generation_s": 1.0})
+    line = step_status({**BUILT_IN, **metrics})
+    assert f"succ 0.38 ret 0.56±{metrics['return/group_std']:.2f} 2.3s/it" in line, line
+    # Without groups, the return shows only where it says more than success (partial credit).
+    assert "ret" not in step_status({**BUILT_IN, "success": 0.5, "return": 0.5})
+    assert "succ 0.50 ret 0.62 " in step_status({**BUILT_IN, "success": 0.5, "return": 0.625})
+    assert "ret 0.00 " in step_status({**BUILT_IN, "success": 0.5, "return": -0.001})  # never "-0.00"
+
+
+def test_the_summary_table_says_step_in_the_singular_and_rates_as_percentages():
+    """Issue 54, item 9: "student after 1 OPD steps"; a valid-action rate of 1 beside percentages; -0.00."""
+    from rich.console import Console
+
+    from opd.config import load_config
+    from opd.evaluation.report import render_summary
+
+    TINY = Path(__file__).resolve().parents[1] / "data" / "tiny.yaml"
+
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    figures = {"valid_action_rate": 1.0, "return": -0.0004, "turns": 3.0}
+    summary = {"eval_episodes": 4, "teacher_success": 1.0, "student_success_before": 0.25, "student_success_after": 0.5,
+               "steps": 1, "train_time_s": 3.0, "run_dir": "runs/x",
+               "heldout": {"teacher": figures, "student_before": figures, "student_after": figures},
+               "time_split": {"generation_s_per_step": 1.0, "teacher_scoring_s_per_step": 0.5,
+                              "training_s_per_step": 1.0, "weight_sync_s_per_step": 0.01}}
+    render_summary(console, summary, load_config(TINY))
+    shown = console.file.getvalue()
+    assert "student after 1 OPD step " in shown and "steps" not in shown.split("student after")[1].split("│")[0]
+    assert "100.0%" in shown.split("student after")[1] and "-0.000" not in shown and " 0.000 " in shown, shown

@@ -155,9 +155,42 @@
   function startViewer() {
     var data = readJson("episode-data");
     var fileSel = document.getElementById("file-select"), epSel = document.getElementById("episode-select");
-    var view = document.getElementById("episode-view");
+    var view = document.getElementById("episode-view"), scaleSel = document.getElementById("scale-select");
     if (!fileSel) { return; }
     var N = data.ratio_steps;
+    var step = data.ratio_step;  // nats per colour step of the scale in use (see setScale)
+
+    // The largest |teacher - student| log-ratio over the scored tokens of some episodes (0: none).
+    function largestRatio(episodes) {
+      var most = 0;
+      episodes.forEach(function (ep) {
+        ep.turns.forEach(function (turn) {
+          for (var i = 0; i < turn.t.length; i++) { most = Math.max(most, Math.abs(turn.t[i] - turn.b[i])); }
+        });
+      });
+      return most;
+    }
+
+    // The colour scale: fixed (±ratio_step * N nats), or stretched so that the largest log-ratio
+    // of this file (a step's sample) or of this episode takes the strongest colour: late in a run,
+    // when every ratio is near 0.01, the fixed scale is white and a relative one shows where the
+    // teacher still disagrees. "auto" is the fixed scale unless the file's ratios stay under a
+    // quarter of it.
+    function setScale(file, ep) {
+      var mode = scaleSel ? scaleSel.value : "fixed", fixed = data.ratio_step * N, span = fixed;
+      if (mode === "auto") { mode = largestRatio(file.episodes) < fixed / 4 ? "file" : "fixed"; }
+      if (mode === "file") { span = largestRatio(file.episodes) || fixed; }
+      if (mode === "episode") { span = largestRatio([ep]) || fixed; }
+      step = span / N;
+      var label = span === fixed ? "" : (mode === "file" ? ", this file's largest" : ", this episode's largest");
+      document.getElementById("scale-low").textContent = "teacher finds it less likely (−" + g(span, 2) + " nats" + label + ")";
+      document.getElementById("scale-high").textContent = "more likely (+" + g(span, 2) + ")";
+    }
+
+    function bucket(turn, i) {
+      if (step === data.ratio_step) { return turn.c[i]; }  // the fixed scale, as Python bucketed it
+      return Math.max(-N, Math.min(N, Math.round((turn.t[i] - turn.b[i]) / step)));
+    }
 
     function num(v) { return v === null || v === undefined ? "n/a" : (v <= -1e8 ? "-inf" : v.toFixed(3)); }
 
@@ -191,7 +224,8 @@
                    "student (behaviour) logprob " + num(b)];
       if (scored) {
         var t = turn.t[i];
-        span.style.backgroundColor = data.palette[turn.c[i] + N];
+        span.style.backgroundColor = data.palette[bucket(turn, i) + N];
+        span.setAttribute("data-ratio", String(t - b));
         lines.push("teacher logprob " + num(t), "log-ratio teacher - student " + num(t - b));
       } else {
         span.className += " nt";
@@ -251,17 +285,39 @@
       return card;
     }
 
+    // What tells episodes apart first (outcome, turns, sample and budget), the task last: a
+    // narrow picker cuts the end of the label, not the outcome.
     function episodeLabel(ep) {
-      var parts = ["#" + ep.i, ep.task, ep.success ? "✓ success" : "✗ " + ep.end, ep.turns.length + " turns",
-                   "reward " + num(ep.reward)];
-      if (ep.budget || ep.sample) { parts.splice(2, 0, "sample " + ep.sample, "budget " + ep.budget); }
+      var parts = ["#" + ep.i, ep.success ? "✓ success" : "✗ " + ep.end,
+                   ep.turns.length + (ep.turns.length === 1 ? " turn" : " turns"), "reward " + num(ep.reward)];
+      if (ep.budget || ep.sample) { parts.push("sample " + ep.sample, "budget " + ep.budget); }
+      parts.push(ep.task);
       return parts.join(" · ");
+    }
+
+    // The token the teacher finds least likely against the student (the most negative
+    // log-ratio) in the episode shown: scrolled to and outlined.
+    function jumpToDisagreement() {
+      var worst = null;
+      view.querySelectorAll("span.tok[data-ratio]").forEach(function (span) {
+        if (worst === null || +span.getAttribute("data-ratio") < +worst.getAttribute("data-ratio")) { worst = span; }
+      });
+      view.querySelectorAll("span.tok.found").forEach(function (span) { span.classList.remove("found"); });
+      var note = document.getElementById("jump-note");
+      if (worst === null) { note.textContent = "no scored token in this episode"; return; }
+      worst.classList.add("found");
+      worst.scrollIntoView({block: "center"});
+      var card = worst.closest(".turn");
+      note.textContent = "turn " + (+card.getAttribute("data-turn") + 1) + ": log-ratio " +
+                         num(+worst.getAttribute("data-ratio"));
     }
 
     function showEpisode() {
       var file = data.files[+fileSel.value], ep = file && file.episodes[+epSel.value];
       view.textContent = "";
+      document.getElementById("jump-note").textContent = "";
       if (!ep) { view.appendChild(el("p", "note", "This file has no episodes.")); return; }
+      setScale(file, ep);
       var head = el("div", "episode-head");
       head.appendChild(el("h3", null, file.label + ": episode " + ep.i + ", task " + ep.task));
       head.appendChild(el("span", "pill " + (ep.success ? "ok" : "bad"), ep.success ? "success" : ep.end));
@@ -299,6 +355,8 @@
     }
     document.getElementById("prev-episode").addEventListener("click", function () { move(-1); });
     document.getElementById("next-episode").addEventListener("click", function () { move(1); });
+    document.getElementById("jump-disagreement").addEventListener("click", jumpToDisagreement);
+    if (scaleSel) { scaleSel.addEventListener("change", showEpisode); }
     showFile();
   }
 
