@@ -133,12 +133,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from opd.config import ConfigError
     from opd.runtime.errors import RunError
+    from opd.runtime.preemption import Preempted
 
     try:
         return _command(args, console)
     except ConfigError as exc:
         console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
         return 2
+    except Preempted as exc:  # SIGTERM: what was saved, and the way back; not a failure to log
+        console.print(f"[yellow]preempted:[/] {exc}", soft_wrap=True)
+        console.print(f"resume with: {shlex.join(['opd', 'train', args.recipe, *args.overrides, '--resume'])}",
+                      soft_wrap=True)
+        return exc.exit_status
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: the last complete checkpoint is intact; rerun with --resume")
         return 130

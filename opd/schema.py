@@ -213,6 +213,8 @@ class RunConfig:
     # than greedy play at step 0 (more than 25 points): warn on the console and in summary.json, stop the run, or ignore it
     max_restarts: int = 2  # an actor that dies (its process killed): the run restarts every role from the last
     # complete checkpoint and goes on, this many times; then it stops, naming the actor (Ray backend)
+    preempt_grace_s: float = 60.0  # on SIGTERM (preemption, `ray job stop`): finish the step, save it and stop within
+    # this many seconds, then exit 143; a step still running then is abandoned, the last checkpoint kept
 
 
 @dataclass
@@ -327,7 +329,8 @@ BOUNDS: dict[type, dict[str, Bound]] = {
     RunConfig: {"total_steps": Bound(1, 10**9), "seed": _SEED, "eval_every_steps": Bound(0, 10**9),
                 "eval_episodes": _COUNT, "save_every_steps": Bound(0, 10**9), "keep_checkpoints": Bound(1, 10_000),
                 "trajectory_every_steps": Bound(0, 10**9), "trajectory_episodes": Bound(1, 100_000),
-                "async_steps": Bound(0, 1), "max_restarts": Bound(0, 1000)},
+                "async_steps": Bound(0, 1), "max_restarts": Bound(0, 1000),
+                "preempt_grace_s": Bound(1, 86_400)},
     ResourcesConfig: {"num_cpus": _CPUS, "teacher_cpus": _CPUS, "rollout_cpus": _CPUS, "trainer_cpus": _CPUS,
                       "teacher_gpus": _GPUS, "rollout_gpus": _GPUS, "trainer_gpus": _GPUS,
                       "torch_threads": Bound(0, 100_000), "actor_timeout_s": Bound(0, 10**7, low_strict=True),

@@ -47,6 +47,7 @@ import contextlib
 import logging
 import os
 import secrets
+import socket
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -86,7 +87,7 @@ def init_ray(resources: ResourcesConfig) -> None:
         join_ray(os.environ["RAY_ADDRESS"], runtime_env)
         return
     _enable_token_auth()
-    with _local_only():
+    with _local_only(), _ports_of_our_own():
         # address="local": always a new session of our own, never one that `ray start` left
         # behind on this machine (ray.init() with no address would join that one).
         ray.init(address="local", num_cpus=resources.num_cpus or os.cpu_count(), include_dashboard=False,
@@ -326,6 +327,45 @@ def _local_only() -> Iterator[None]:
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = before
+
+
+@contextlib.contextmanager
+def _ports_of_our_own() -> Iterator[None]:
+    """Free ports for the servers a local Ray binds to a fixed port by default, so that two runs
+    started at once on one machine do not clash: the dashboard agent's HTTP server (52365,
+    ``RayParams``'s default, which ``ray.init`` does not let a caller set), the dashboard's and
+    the autoscaler monitor's metrics servers (44227 and 44217: ``DASHBOARD_METRIC_PORT`` and
+    ``AUTOSCALER_METRIC_PORT``, read by the processes Ray starts). The second run's agent
+    otherwise retried for 3 s and ran without its HTTP service, its metrics servers not at all.
+    Put back after start-up."""
+    import inspect
+
+    from ray._private.parameter import RayParams
+
+    init = RayParams.__init__
+    names = [n for n, p in inspect.signature(init).parameters.items() if p.default is not inspect.Parameter.empty]
+    before_defaults = init.__defaults__
+    if before_defaults is not None and "dashboard_agent_listen_port" in names and len(names) == len(before_defaults):
+        defaults = list(before_defaults)
+        defaults[names.index("dashboard_agent_listen_port")] = _free_port()
+        init.__defaults__ = tuple(defaults)
+    env = ("DASHBOARD_METRIC_PORT", "AUTOSCALER_METRIC_PORT")
+    before_env = {name: os.environ.get(name) for name in env}
+    os.environ.update({name: str(_free_port()) for name in env if before_env[name] is None})
+    try:
+        yield
+    finally:
+        init.__defaults__ = before_defaults
+        for name, value in before_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+
+
+def _free_port() -> int:
+    """A TCP port free on loopback now (the OS's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((LOOPBACK, 0))
+        return probe.getsockname()[1]
 
 
 def _installed_first_hook(later: list[str]) -> Callable[[], None]:

@@ -57,6 +57,8 @@ from opd.losses import LossError
 from opd.models import TokenizerMismatchError, check_tokenizers_match, load_tokenizer
 from opd.rollout.vanilla import episode_settings
 from opd.runtime.errors import RunError, WorkerError
+from opd.runtime.preemption import Preempted, Preemption
+from opd.runtime.run_lock import RunDirectoryLock
 from opd.runtime.run_state import RunState, StateError
 from opd.runtime.tracking import MetricsLog, require_backends
 from opd.runtime.workers import recipe_loss_terms
@@ -74,7 +76,8 @@ RESUMABLE_KEYS = ("run.total_steps", "run.eval_every_steps", "run.save_every_ste
                   "resources.actor_timeout_s", "logging.wandb_project", "logging.wandb_mode", "logging.mlflow",
                   "run.backend",  # the same run on Ray or in one process (resume a step under pdb)
                   "run.async_steps",  # overlap or not: the resumed step rolls out with the checkpoint's weights either way
-                  "run.max_restarts", "resources.placement_timeout_s", "run.teacher_check", "run.sampling_check",
+                  "run.max_restarts", "run.preempt_grace_s", "resources.placement_timeout_s", "run.teacher_check",
+                  "run.sampling_check",
                   # replicas change where the work runs, not its result (the trainer's ZeRO shards
                   # are checked against its rank count when they are loaded)
                   "resources.teacher_replicas", "resources.rollout_replicas", "resources.trainer_ranks")
@@ -94,29 +97,56 @@ def train(cfg: OPDConfig, resume: bool = False, console: Any = None) -> dict[str
             "summary.json; nothing to do. Raise run.total_steps to train on. Its summary:")
         render_summary(console, done, cfg)
         return done
+    preemption = Preemption(cfg.run.preempt_grace_s, log)
+    preemption.install()
+    try:
+        with RunDirectoryLock(Path(cfg.run.output_dir), log):  # one driver per run directory
+            return _attempts(cfg, resume, console, preemption, log)
+    finally:
+        preemption.uninstall()
+
+
+def _attempts(cfg: OPDConfig, resume: bool, console: Any, preemption: Preemption,
+              log: Callable[[str], None]) -> dict[str, Any]:
+    """:func:`train`'s attempts: one, and one more from the last checkpoint after each death of a
+    role's actor, up to ``run.max_restarts``."""
     restarts = 0
     while True:
-        run = TrainingRun(cfg, resume, console)
+        run = TrainingRun(cfg, resume, console, preemption)
         try:
             run.setup()
+            preemption.install()  # again: Ray's core worker put its own SIGTERM handler in when it started
             run.preflight()
             run.train()
             return run.summarize()
+        except KeyboardInterrupt:
+            if preemption.requested:  # the grace period ran out, or a second signal: the step is abandoned
+                raise run.preempted(saved=False) from None
+            raise
         except WorkerError as exc:
             if exc.kind != "died":
                 raise
-            if restarts >= cfg.run.max_restarts:
-                exc.add_note(f"no restart left (run.max_restarts={cfg.run.max_restarts})" if restarts == 0 else
-                             f"after {restarts} restart(s), run.max_restarts={cfg.run.max_restarts}")
-                raise
-            restarts += 1
-            last = complete_checkpoints(Path(cfg.run.output_dir))
-            log(f"[yellow]{exc}[/]; restarting every role from "
-                f"{last[-1].name if last else 'the beginning (no checkpoint yet)'} "
-                f"(restart {restarts} of {cfg.run.max_restarts}, run.max_restarts)")
+            if preemption.requested:  # the signal reached the roles too: nothing to restart for
+                raise run.preempted(saved=False) from None
+            restarts = _restart_or_raise(exc, cfg, restarts, log)
             resume = True
         finally:  # the attempt's actors and their reservations end with it, whatever the outcome
             run.shutdown()
+
+
+def _restart_or_raise(exc: WorkerError, cfg: OPDConfig, restarts: int, log: Callable[[str], None]) -> int:
+    """After a role's actor died: the restart count with this one, or ``exc`` with a note when
+    ``run.max_restarts`` are spent."""
+    if restarts >= cfg.run.max_restarts:
+        exc.add_note(f"no restart left (run.max_restarts={cfg.run.max_restarts})" if restarts == 0 else
+                     f"after {restarts} restart(s), run.max_restarts={cfg.run.max_restarts}")
+        raise exc
+    restarts += 1
+    last = complete_checkpoints(Path(cfg.run.output_dir))
+    log(f"[yellow]{exc}[/]; restarting every role from "
+        f"{last[-1].name if last else 'the beginning (no checkpoint yet)'} "
+        f"(restart {restarts} of {cfg.run.max_restarts}, run.max_restarts)")
+    return restarts
 
 
 def check_recipe_unchanged(cfg: OPDConfig) -> None:
@@ -155,8 +185,10 @@ class TrainingRun:
     """One attempt of a run: call :meth:`setup`, :meth:`preflight`, :meth:`train`, then
     :meth:`summarize`; :meth:`shutdown` ends the roles whatever happened."""
 
-    def __init__(self, cfg: OPDConfig, resume: bool, console: Any = None):
+    def __init__(self, cfg: OPDConfig, resume: bool, console: Any = None, preemption: Preemption | None = None):
         self.cfg, self.resume, self.console = cfg, resume, console
+        self.preemption = preemption
+        self.last_save_s = 0.0  # how long the last checkpoint took: a preempted run's estimate
         self.log: Callable[[str], None] = console.log if console is not None else print
         self.run_dir = Path(cfg.run.output_dir)
         self.state = RunState()
@@ -327,6 +359,8 @@ class TrainingRun:
         nonfinite_streak, step, finished = 0, self.state.step, False
         try:
             for step in range(self.state.step + 1, self.cfg.run.total_steps + 1):
+                if self._stop_requested():  # SIGTERM before this step (during the evaluation, or a save)
+                    raise self.preempted(saved=self._save_for_preemption(step - 1))
                 metrics = self._step(step)
                 nonfinite_streak = nonfinite_streak + 1 if metrics.get("nonfinite_loss") else 0
                 self._check_sampling(step, metrics)
@@ -338,6 +372,8 @@ class TrainingRun:
                 if nonfinite_streak >= self.cfg.trainer.max_nonfinite_steps:
                     self._stop_nonfinite(step, nonfinite_streak)
                 self.save_checkpoint(step)
+                if self._stop_requested() and step < self.cfg.run.total_steps:
+                    raise self.preempted(saved=self._save_for_preemption(step))
             finished = True
         except Exception as exc:
             exc.add_note(f"during training step {step} (steps done: {self.state.step})")
@@ -346,6 +382,38 @@ class TrainingRun:
             progress.close()
             if not finished:  # an error or Ctrl-C: the wandb / MLflow runs end as failed
                 self.metrics.close(failed=True)
+
+    def _stop_requested(self) -> bool:
+        return self.preemption is not None and self.preemption.requested
+
+    def _save_for_preemption(self, step: int) -> bool:
+        """A checkpoint of ``step`` (the state now) for a preempted run, if it has none yet and the
+        grace period leaves time for one (half again the last save's time, and a second); whether
+        the run's state at ``step`` is now in a complete checkpoint."""
+        if step <= 0:
+            return False
+        if any(path.name == f"step_{step}" for path in complete_checkpoints(self.run_dir)):
+            return True
+        if self.preemption.left_s() < 1.5 * self.last_save_s + 1.0:
+            self.log(f"[yellow]no time to save step {step}[/]: {max(self.preemption.left_s(), 0):.0f} s of "
+                     f"run.preempt_grace_s left, a checkpoint took {self.last_save_s:.0f} s")
+            return False
+        self.save_checkpoint(step, force=True)
+        return True
+
+    def preempted(self, saved: bool) -> Preempted:
+        """What a run stopped by SIGTERM says: the checkpoint it saved, or the last complete one."""
+        last = latest_checkpoint(self.run_dir) if self.run_dir.is_dir() else None
+        where = f"checkpoint {last[0]}" if last else "no checkpoint"
+        if saved:
+            what = f"saved {where} (step {self.state.step})"
+        elif self.preemption is not None and self.preemption.abandoned:
+            what = (f"the step under way did not finish within run.preempt_grace_s ({self.cfg.run.preempt_grace_s:g} s) "
+                    f"and was abandoned; the last complete checkpoint is intact: {where}")
+        else:
+            what = f"nothing saved since the last complete checkpoint: {where}"
+        return Preempted(f"stopped on SIGTERM after {self.state.step} of {self.cfg.run.total_steps} steps: {what}; "
+                         "every role was ended")
 
     def _step(self, step: int) -> dict[str, float]:
         """The algorithm's step ``step``, with the driver's own figures; the state counts it."""
@@ -382,18 +450,21 @@ class TrainingRun:
             f"skipped. Last complete checkpoint: {last[0] if last else 'none'}. Lower trainer.learning_rate or check "
             "the losses' inputs.")
 
-    def save_checkpoint(self, step: int) -> None:
-        """At the recipe's cadence (``run.save_every_steps``) and after the last step, whose
-        held-out evaluation comes first: the trainer's state, its HF export and :attr:`state`."""
+    def save_checkpoint(self, step: int, force: bool = False) -> None:
+        """At the recipe's cadence (``run.save_every_steps``), after the last step, whose
+        held-out evaluation comes first, and when ``force``d (a preempted run): the trainer's
+        state, its HF export and :attr:`state`."""
         last_step = step == self.cfg.run.total_steps
-        if not (last_step or (self.cfg.run.save_every_steps and step % self.cfg.run.save_every_steps == 0)):
+        if not (force or last_step or (self.cfg.run.save_every_steps and step % self.cfg.run.save_every_steps == 0)):
             return
+        start = time.perf_counter()
         if last_step:
             record = self._evaluate_student(step)
             self.state.student_success_after = record["eval/student_success"]
             self.metrics.write(step, record)
         save_checkpoint(self.run_dir, step, self.workers.save_checkpoint, self.state.to_dict(),
                         keep=self.cfg.run.keep_checkpoints)
+        self.last_save_s = time.perf_counter() - start
 
     # -- summarize ------------------------------------------------------------------------------
     def summarize(self) -> dict[str, Any]:

@@ -138,3 +138,46 @@ def test_with_no_restart_left_a_killed_rollout_worker_stops_the_run_naming_it(un
     assert "no restart left (run.max_restarts=0)" in message
     assert f"last complete checkpoint: {run_dir / 'checkpoints' / 'step_'}" in message
     assert "resume with: opd train" in message and "--resume" in message
+
+
+def test_a_preempted_run_saves_its_step_stops_with_143_and_resumes_as_if_uninterrupted(uninterrupted):
+    """SIGTERM to the driver (a spot instance reclaimed, an eviction, ``ray job stop``) once step 2
+    is logged: it finishes the step under way, saves it (no checkpoint was due: save_every_steps is
+    100), ends every role, prints the resume command and exits 143; the resumed run ends with the
+    metrics of the run that was never interrupted (issue 51, item 1)."""
+    base, expected = uninterrupted
+    run_dir = base / "preempted"
+    command = [*_command(run_dir, base / "cache"), "run.save_every_steps=100"]
+    log = open(base / "preempted.log", "w")
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 900
+        while proc.poll() is None and time.monotonic() < deadline:
+            if 2 in (_step_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else {}):
+                proc.send_signal(signal.SIGTERM)
+                break
+            time.sleep(0.1)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    out = " ".join((base / "preempted.log").read_text().split())
+    assert proc.returncode == 143, out[-3000:]
+    done = max(_step_metrics(run_dir))
+    assert 2 <= done < STEPS
+    assert (f"preempted: stopped on SIGTERM after {done} of {STEPS} steps: saved checkpoint "
+            f"{run_dir / 'checkpoints' / f'step_{done}'} (step {done}); every role was ended") in out, out[-3000:]
+    assert f"resume with: opd train {TINY}" in out and out.rstrip().endswith("--resume")
+    assert "SIGTERM received" in out and "*** SIGTERM received" not in out  # ours, not Ray's stack dump
+    assert not psutil.Process().children(recursive=True) or all(
+        "ray::" not in " ".join(c.cmdline()) for c in psutil.Process().children(recursive=True))
+
+    resumed = subprocess.run([*command, "--resume"], cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                             timeout=900)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    got = _step_metrics(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))  # each step once
+    for step in expected:
+        for key, value in expected[step].items():
+            assert got[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, key)

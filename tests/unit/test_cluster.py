@@ -36,3 +36,27 @@ def test_rays_dedup_advice_is_spent_before_it_prints():
 
     _skip_dedup_advice()
     assert _warn_once() == ""  # a merged line keeps "[repeated Nx across cluster]", without the advice
+
+
+def test_a_local_ray_gets_free_ports_for_its_fixed_port_servers_and_they_are_put_back(monkeypatch):
+    """Issue 51, item 5: the agent's port (RayParams' default) and the metrics servers' ports (the
+    environment the processes Ray starts read) are free ones during start-up, as before after."""
+    import inspect
+
+    from ray._private.parameter import RayParams
+
+    from opd.runtime.cluster import _ports_of_our_own
+
+    monkeypatch.delenv("DASHBOARD_METRIC_PORT", raising=False)
+    monkeypatch.setenv("AUTOSCALER_METRIC_PORT", "45000")  # a user's own choice is kept
+
+    def agent_port() -> int:
+        return inspect.signature(RayParams.__init__).parameters["dashboard_agent_listen_port"].default
+
+    assert agent_port() == 52365
+    with _ports_of_our_own():
+        assert agent_port() != 52365 and RayParams().dashboard_agent_listen_port == agent_port()
+        assert int(os.environ["DASHBOARD_METRIC_PORT"]) not in (44227, agent_port())
+        assert os.environ["AUTOSCALER_METRIC_PORT"] == "45000"
+    assert agent_port() == 52365 and "DASHBOARD_METRIC_PORT" not in os.environ
+    assert os.environ["AUTOSCALER_METRIC_PORT"] == "45000"

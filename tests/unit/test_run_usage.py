@@ -84,3 +84,27 @@ def test_a_short_run_keeps_the_training_samples_of_its_first_and_last_step(tmp_p
     for step in (1, 3):
         never.train_sample(step, [traj])
     assert not (tmp_path / "never" / "trajectories").exists()
+
+
+def test_a_second_driver_on_a_live_run_directory_is_refused_at_once(recipe, capsys, monkeypatch):
+    """Issue 51, item 5: the trial's second ``opd train --resume`` beside a live run loaded a
+    checkpoint the first was rotating (``AssertionError`` in load_checkpoint); now it is refused
+    before it starts anything, naming the live driver."""
+    import subprocess
+    import sys
+
+    from opd.cli import main
+    from tests.unit.test_run_lock import HOLD
+
+    monkeypatch.setenv("COLUMNS", "400")
+    run = Path(load_config(recipe).run.output_dir)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main(["train", str(recipe), "--resume"]) == 2
+        out = " ".join(capsys.readouterr().out.split())
+        assert f"error: {run} is being written by another opd process (pid {holder.pid} on " in out
+        assert "resume with" not in out and not (run / "checkpoints").exists()
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
