@@ -118,10 +118,14 @@ def join_ray(address: str, runtime_env: dict[str, Any]) -> None:
         enable()  # RAY_AUTH_MODE=token for this process and the Ray processes it starts
         token_sent = True
         log.info("joining the Ray cluster at %s with token authentication (the token of this machine's user)", address)
-    # Ray rewrites a loopback address to this machine's routable IP (see _local_only), which a
-    # head started on loopback does not listen on: then the join would retry for ever.
-    loopback_head = _is_loopback(address) and _listening(address)
-    if not address.startswith("ray://") and not loopback_head and not _listening(_routable(address)):
+    # Ray rewrites a loopback address to this machine's routable IP (see _local_only). A head
+    # started the usual way (`ray start --head`, with or without --node-ip-address=127.0.0.1)
+    # listens on every interface and registered its node under that routable IP: Ray's own
+    # rewrite is then what joins it. Only a head kept on loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0,
+    # or a Ray of opd's own) is not reachable there: this driver then joins as a loopback node too.
+    routable_open = _listening(_routable(address))
+    loopback_head = _is_loopback(address) and _listening(address) and not routable_open
+    if not address.startswith("ray://") and not loopback_head and not routable_open:
         raise ConnectionError(f"could not join the Ray cluster at RAY_ADDRESS={address}: nothing accepts connections "
                               f"there. Start the head (`ray start --head --port {_host_port(address)[1]}`) or correct "
                               "RAY_ADDRESS; unset it to run on a Ray of opd's own on this machine.")

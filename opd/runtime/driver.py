@@ -39,6 +39,7 @@ exactly where the interrupted one would have been.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -63,7 +64,8 @@ from opd.runtime.run_state import RunState, StateError
 from opd.runtime.tracking import MetricsLog, require_backends
 from opd.runtime.workers import recipe_loss_terms
 from opd.schema import OPDConfig
-from opd.training.checkpoint import (CheckpointError, atomic_write_text, complete_checkpoints, latest_checkpoint,
+from opd.training.checkpoint import (CheckpointError, OutOfSpaceError, atomic_write_text, complete_checkpoints,
+                                     estimated_checkpoint_bytes, latest_checkpoint,
                                      save_checkpoint, verified_checkpoints)
 from opd.training.trainer import peak_rss_mb
 
@@ -206,6 +208,7 @@ class TrainingRun:
         start = time.perf_counter()
         student_path, teacher_path, tokenizers = self._models()
         self._check_losses(len(tokenizers["student"]))
+        self._check_space(Path(student_path))
         env_factory, train_tasks, eval_tasks = self._tasks()
         self.workers = self._start_workers(student_path, teacher_path)
         cfg = self.cfg
@@ -266,6 +269,17 @@ class TrainingRun:
                          cfg.algorithm)
         except LossError as exc:
             raise RunError(str(exc), resumable=False) from exc
+
+    def _check_space(self, student_dir: Path) -> None:
+        """Room for one checkpoint in the run directory, before any role starts (the estimate of
+        :func:`~opd.training.checkpoint.estimated_checkpoint_bytes`)."""
+        needed = estimated_checkpoint_bytes(student_dir)
+        free = shutil.disk_usage(self.run_dir).free
+        if needed is not None and free < needed:
+            raise RunError(f"too little space in {self.run_dir} for one checkpoint: it takes about "
+                           f"{needed / 2**20:.1f} MB (the student's weights twice and AdamW's three float32 copies), "
+                           f"{free / 2**20:.1f} MB are free. Free space there or set run.output_dir elsewhere.",
+                           resumable=False)
 
     def _tasks(self) -> tuple[EnvFactory, list[str], list[str]]:
         """The environment's factory, its train tasks and the held-out tasks evaluated."""
@@ -462,8 +476,11 @@ class TrainingRun:
             record = self._evaluate_student(step)
             self.state.student_success_after = record["eval/student_success"]
             self.metrics.write(step, record)
-        save_checkpoint(self.run_dir, step, self.workers.save_checkpoint, self.state.to_dict(),
-                        keep=self.cfg.run.keep_checkpoints)
+        try:
+            save_checkpoint(self.run_dir, step, self.workers.save_checkpoint, self.state.to_dict(),
+                            keep=self.cfg.run.keep_checkpoints)
+        except OutOfSpaceError as exc:
+            raise RunError(str(exc)) from exc
         self.last_save_s = time.perf_counter() - start
 
     # -- summarize ------------------------------------------------------------------------------

@@ -87,11 +87,12 @@ class Preemption:
         self._timer.start()
 
     def _expire(self) -> None:
-        """The grace period ran out: interrupt the main thread (the step is abandoned). A real
-        SIGINT aimed at it, so that a blocking wait there (a sleep, Ray's ``get``) wakes now, not
-        when it would have returned."""
+        """The grace period ran out: interrupt the main thread (the step is abandoned). SIGTERM
+        again, aimed at the main thread, where this handler takes it as the second signal: a
+        blocking wait there (a sleep, Ray's ``get``) wakes now, and whatever a library did to
+        SIGINT's handler does not matter."""
         self.abandoned = True
         try:
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
         except (AttributeError, OSError):  # no pthread_kill on this platform: the flag, at the next bytecode
             _thread.interrupt_main()

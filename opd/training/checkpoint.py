@@ -84,15 +84,89 @@ def save_checkpoint(run_dir: Path, step: int, write_state: Callable[[str], None]
     partial = root / f".partial-step_{step}"
     final = root / f"step_{step}"
     partial.mkdir()
-    write_state(str(partial))
-    marker = {"state": driver_state, "files": file_manifest(partial)}
-    atomic_write_text(partial / MARKER, json.dumps(marker))
+    try:
+        write_state(str(partial))
+        marker = {"state": driver_state, "files": file_manifest(partial)}
+        atomic_write_text(partial / MARKER, json.dumps(marker))
+    except Exception as exc:  # a kill (or Ctrl-C) leaves the partial directory: the next save clears it
+        written, free = tree_bytes(partial), shutil.disk_usage(root).free
+        shutil.rmtree(partial, ignore_errors=True)  # never a half-written checkpoint, and its space back
+        # A full disk by its errno or text, or by the disk itself: torch.save reports one as
+        # "PytorchStreamWriter failed writing file", naming no cause.
+        if out_of_space(exc) or free < 2**20:
+            raise OutOfSpaceError(out_of_space_message(run_dir, step, written)) from exc
+        raise
     if final.exists():  # an older copy of the same step (a resumed run repeating it)
         shutil.rmtree(final)
     os.replace(partial, final)
     for old in complete_checkpoints(run_dir)[:-max(keep, 1)]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+class OutOfSpaceError(CheckpointError):
+    """A checkpoint save ran out of disk space; the message gives the bytes needed and free."""
+
+
+def tree_bytes(path: Path) -> int:
+    """The bytes of the files under ``path`` (0 where it is gone)."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if Path(path).exists() else 0
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """Whether ``exc``, or what it wraps (a role's error carries the actor's as ``cause``), is a
+    full disk (``ENOSPC``, or its text where a library re-raised it as another type)."""
+    import errno
+
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        one = todo.pop()
+        if one is None or id(one) in seen:
+            continue
+        seen.add(id(one))
+        if getattr(one, "errno", None) == errno.ENOSPC or "No space left on device" in str(one):
+            return True
+        todo += [getattr(one, "cause", None), one.__cause__, one.__context__]
+    return False
+
+
+def out_of_space_message(run_dir: Path, step: int, written: int) -> str:
+    """What a save that ran out of space says: where, the bytes a checkpoint takes (the last
+    complete one's size, else at least what was written) and the bytes free, what is intact."""
+    root = Path(run_dir) / "checkpoints"
+    last = complete_checkpoints(Path(run_dir))
+    needed = f"about {_size(tree_bytes(last[-1]))} (the size of {last[-1].name})" if last else \
+        f"more than {_size(written)} (written before the disk filled)"
+    free = shutil.disk_usage(root).free
+    kept = f"the last complete checkpoint, {last[-1]}, is intact" if last else "there is no complete checkpoint yet"
+    return (f"no space left on the device of {root} while saving checkpoint step_{step}: a checkpoint takes {needed}, "
+            f"{_size(free)} are free. The partial save was removed; {kept}. Free space there (or lower "
+            "run.keep_checkpoints, or move run.output_dir), then resume.")
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def estimated_checkpoint_bytes(model_dir: Path) -> int | None:
+    """About what one checkpoint of a student in ``model_dir`` takes: its weights twice (the HF
+    export and the engine's module states) and three float32 copies for AdamW (master weights,
+    two moments); None where the directory holds no safetensors to measure."""
+    files = list(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
+    if not files:
+        return None
+    weights = sum(f.stat().st_size for f in files)
+    try:
+        dtype = json.loads((Path(model_dir) / "config.json").read_text()).get("torch_dtype") or "float32"
+    except (OSError, ValueError):
+        dtype = "float32"
+    per_value = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(dtype), 4)
+    return 2 * weights + 3 * weights * 4 // per_value
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:

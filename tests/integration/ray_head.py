@@ -56,7 +56,11 @@ def _wait_listening(port: int, proc: subprocess.Popen, log: Path, timeout_s: flo
 
 
 @contextlib.contextmanager
-def started_head(dashboard: bool = False) -> Iterator[Head]:
+def started_head(dashboard: bool = False, loopback_only: bool = True, node_ip: bool = True) -> Iterator[Head]:
+    """``loopback_only``: the head's services kept on loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``);
+    False is Ray's usual start, on every interface, its node registered under the routable IP.
+    ``node_ip``: with ``--node-ip-address=127.0.0.1`` (Ray rewrites it to the routable IP unless
+    loopback only)."""
     if not RAY.exists():
         raise RuntimeError(f"{RAY} is missing: Ray's command line comes with the ray package")
     base = Path(tempfile.mkdtemp(prefix="opdh", dir="/tmp"))  # short: Ray's socket paths have a length limit
@@ -66,15 +70,16 @@ def started_head(dashboard: bool = False) -> Iterator[Head]:
     token.write_text(secrets.token_hex(32))
     token.chmod(0o600)
     port, dash_port = free_port(), free_port()
-    args = [str(RAY), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
-            f"--temp-dir={base / 'ray'}", "--disable-usage-stats", "--block"]
+    args = [str(RAY), "start", "--head", *(["--node-ip-address=127.0.0.1"] if node_ip else []), f"--port={port}",
+            "--num-cpus=2", f"--temp-dir={base / 'ray'}", "--disable-usage-stats", "--block"]
     args += (["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}"]
              if dashboard else ["--include-dashboard=false"])
     log_path = base / "head.log"
     log = open(log_path, "w")
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps the head's services on loopback (see opd.runtime.cluster).
-    proc = subprocess.Popen(args, env=user_env(home, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"), stdout=log,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    env = user_env(home, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0") if loopback_only else user_env(home)
+    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
     try:
         _wait_listening(port, proc, log_path)
         if dashboard:

@@ -62,3 +62,21 @@ def test_a_wrong_token_or_no_head_is_named_with_what_to_set(head, tmp_path):
     assert missing.returncode == 1
     assert f"could not join the Ray cluster at RAY_ADDRESS={nobody}: nothing accepts connections there" in \
         missing.stdout + missing.stderr
+
+
+@pytest.mark.parametrize("node_ip, dashboard", [(True, False), (False, True)],
+                         ids=["node-ip-127.0.0.1", "plain-with-dashboard"])
+def test_a_run_joins_a_head_started_the_usual_way(node_ip, dashboard, tmp_path):
+    """Issue 51, item 6: ``ray start --head --port P`` as Ray's docs start it (no loopback-only
+    switch; with ``--node-ip-address=127.0.0.1``, which Ray rewrites to the routable IP, or
+    without, with the dashboard): ``RAY_ADDRESS=127.0.0.1:P opd train`` joins it, as a plain
+    ``ray.init`` does. Before, opd joined as a loopback node the head did not know and failed
+    after about a minute with "Failed to connect to Ray cluster"."""
+    with started_head(dashboard=dashboard, loopback_only=False, node_ip=node_ip) as started:
+        done = _train(started.address, started.home, tmp_path / "run", tmp_path / "cache")
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, output[-4000:]
+        assert "Connecting to existing Ray cluster at address: " in output
+        assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 1
+        logs = list((started.base / "ray" / "session_latest" / "logs").glob("worker-*"))
+        assert any("StudentTrainer" in p.read_text(errors="replace") for p in logs), [p.name for p in logs]

@@ -115,3 +115,42 @@ def test_opd_verify_lists_each_checkpoint_and_fails_on_a_damaged_one(tmp_path, c
     assert "ok step_1 (step 1)" in out and "bad step_2:" in out and "model.safetensors has 400 bytes" in out
     assert main(["verify", str(tmp_path / "nothing")]) == 2
     assert "holds no complete checkpoint" in capsys.readouterr().out
+
+
+def test_a_save_that_runs_out_of_space_leaves_no_partial_and_names_the_sizes(tmp_path):
+    """Issue 51, item 4 (the figures; the real full disk is tests/integration/test_full_disk.py)."""
+    import errno
+
+    from opd.training.checkpoint import OutOfSpaceError, estimated_checkpoint_bytes, out_of_space
+
+    def write(directory: str) -> None:
+        (Path(directory) / "weights.bin").write_bytes(b"\0" * 4096)
+
+    save_checkpoint(tmp_path, 1, write, {"step": 1})
+
+    def fill(directory: str) -> None:
+        (Path(directory) / "weights.bin").write_bytes(b"\0" * 1000)
+        raise RuntimeError("the trainer failed in save_checkpoint") from OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OutOfSpaceError) as caught:
+        save_checkpoint(tmp_path, 2, fill, {"step": 2})
+    message = str(caught.value)
+    assert message.startswith(f"no space left on the device of {tmp_path / 'checkpoints'} while saving checkpoint "
+                              "step_2: a checkpoint takes about 4.")  # step_1's bytes, its marker included
+    assert f"the last complete checkpoint, {tmp_path / 'checkpoints' / 'step_1'}, is intact" in message
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
+    # Any other failure is itself, still without a partial left behind.
+    with pytest.raises(ValueError):
+        save_checkpoint(tmp_path, 3, lambda d: (_ for _ in ()).throw(ValueError("a bug")), {"step": 3})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
+
+    class RoleError(RuntimeError):  # what a Ray role's failure carries: the actor's exception as .cause
+        cause = OSError(errno.ENOSPC, "No space left on device")
+
+    assert out_of_space(RoleError("the trainer failed")) and not out_of_space(RuntimeError("other"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"\0" * 1000)
+    (model / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    assert estimated_checkpoint_bytes(model) == 2 * 1000 + 3 * 2000  # twice the weights, AdamW's 3 fp32 copies
+    assert estimated_checkpoint_bytes(tmp_path / "nowhere") is None
