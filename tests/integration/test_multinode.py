@@ -107,3 +107,74 @@ def test_a_trainer_group_across_nodes_meets_over_tcp_and_replicas_spread(three_n
     path, state = latest_checkpoint(run_dir)
     assert state["step"] == 2 and (path / "hf" / "model.safetensors").is_file()
     assert len(list((path / "ds" / "state").glob("*optim_states.pt"))) == 2
+
+
+@pytest.fixture
+def four_nodes():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from opd.runtime.cluster import LOOPBACK, _enable_token_auth, _local_only
+
+    ray.shutdown()
+    saved = os.environ.get("RAY_AUTH_MODE")
+    _enable_token_auth()
+    with _local_only():
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": LOOPBACK,
+                                                                "include_dashboard": False})
+        workers = [cluster.add_node(num_cpus=1, node_ip_address=LOOPBACK) for _ in range(3)]
+    cluster.wait_for_nodes()
+    try:
+        yield cluster, workers
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved
+
+
+def test_a_node_lost_mid_run_is_replaced_by_the_nodes_left(four_nodes, tmp_path, monkeypatch, capsys):
+    """Issue 51, item 2: a worker node hosting a role is removed once checkpoint step_2 is complete;
+    the role's actor dies with it, the run places every role again on the nodes left (one is
+    spare) and resumes from step_2: all 10 steps logged once, the roles on live nodes at the end."""
+    import threading
+    import time
+
+    import ray
+
+    from opd.cli import main
+
+    cluster, workers = four_nodes
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    monkeypatch.setenv("COLUMNS", "400")
+    run_dir = tmp_path / "run"
+    removed: list[str] = []
+
+    def remove_a_node_with_a_role() -> None:
+        deadline = time.monotonic() + 600
+        while not (run_dir / "checkpoints" / "step_2" / "COMPLETE").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        used = {node for pg in ray.util.placement_group_table().values() if pg.get("state") == "CREATED"
+                for node in (pg.get("bundles_to_node_id") or {}).values()}
+        node = next(w for w in workers if w.node_id in used)
+        cluster.remove_node(node)
+        removed.append(node.node_id)
+
+    remover = threading.Thread(target=remove_a_node_with_a_role, daemon=True)
+    remover.start()
+    args = [f"run.output_dir={run_dir}", f"student.bootstrap.cache_dir={tmp_path / 'cache'}",
+            f"teacher.bootstrap.cache_dir={tmp_path / 'cache'}", "run.total_steps=10", "run.save_every_steps=1",
+            "run.keep_checkpoints=10", "resources.teacher_cpus=1", "resources.rollout_cpus=1",
+            "resources.trainer_cpus=1"]
+    assert main(["train", str(TINY), *args]) == 0
+    remover.join(timeout=10)
+    out = " ".join(capsys.readouterr().out.split())
+    assert removed, "no node was removed (the run ended first)"
+    assert "actor died" in out and "restarting every role from step_" in out, out[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "time/step_s" in r] == list(range(1, 11))  # each once
+    placement = json.loads((run_dir / "summary.json").read_text())["placement"]
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert all(found[0]["node_id"] in alive and found[0]["node_id"] != removed[0] for found in placement.values())
