@@ -81,13 +81,14 @@ def collect_actfirst(worker: PolicyHost, env_factory, tasks: list[str], referenc
                      settings: ActFirstSettings, seed: int) -> tuple[list[Trajectory], ActFirstStats, dict[str, float]]:
     """In the rollout worker (``ctx.workers.run("student", collect_actfirst, ...)``):
     :func:`opd.rollout.actfirst.run_actfirst_episodes` with the worker's engine and environment
-    pool; also returns ``env_restarts``."""
+    pool; also returns ``env_restarts`` and ``env_replays``."""
+    from opd.rollout.env_pool import pool_counts
+
     envs = worker.envs(env_factory, settings.episode)
-    restarts_before = envs.restarts if envs is not None else 0
+    before = pool_counts(envs)
     trajs, stats = run_actfirst_episodes(worker.engine, env_factory, tasks, references, worker.tokenizer, worker.fmt,
                                          settings, seed, envs=envs)
-    restarts = (envs.restarts - restarts_before) if envs is not None else 0
-    return trajs, stats, {"env_restarts": float(restarts)}
+    return trajs, stats, {key: n - before[key] for key, n in pool_counts(envs).items()}
 
 
 def train_step(ctx: RunContext, step: int) -> dict[str, float]:

@@ -51,7 +51,7 @@ class Workers(Protocol):
     def collect(self, who: Role, env_factory: EnvFactory, tasks: list[str], settings: EpisodeSettings,
                 seed: int) -> tuple[list[Trajectory], dict[str, float]]:
         """``who`` plays one episode per task (:func:`opd.rollout.vanilla.run_episodes`); also
-        returns ``generation_s``, ``generated_tokens`` and ``env_restarts``."""
+        returns ``generation_s``, ``generated_tokens``, ``env_restarts`` and ``env_replays``."""
 
     def score(self, trajs: list[Trajectory], supervision: SupervisionConfig) -> list[TokenScores]:
         """The teacher's scores of every response token of each trajectory, in its view."""

@@ -149,6 +149,7 @@ def episode_metrics(trajs: list[Trajectory], gen: dict[str, float], group_size: 
         "turns_per_episode": len(turns) / max(len(trajs), 1),
         "env_errors": float(sum(t.end_reason == "env_error" for t in trajs)),
         "env_restarts": gen.get("env_restarts", 0.0),
+        "env_replays": gen.get("env_replays", 0.0),
         "valid_action_rate": sum(bool(turn.info.get("valid_action", False)) for turn in turns) / max(len(turns), 1),
         "tokens_per_s": gen["generated_tokens"] / max(gen["generation_s"], 1e-9),
     }

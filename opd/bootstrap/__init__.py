@@ -58,13 +58,16 @@ Example:
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Callable
 
 from opd.bootstrap.build import build_bootstrap_model
+from opd.bootstrap.cache import bootstrap_key
 from opd.models import smollm2_model_dir
 from opd.schema import EnvConfig, ModelConfig
 
-__all__ = ["build_bootstrap_model", "resolve_model_path"]
+__all__ = ["build_bootstrap_model", "existing_model_path", "resolve_model_path"]
 
 
 def resolve_model_path(model_cfg: ModelConfig, env_cfg: EnvConfig, seed: int, log: Callable[[str], None]) -> str:
@@ -79,3 +82,17 @@ def resolve_model_path(model_cfg: ModelConfig, env_cfg: EnvConfig, seed: int, lo
     if model_cfg.path == "smollm2":
         return smollm2_model_dir()
     return model_cfg.path
+
+
+def existing_model_path(model_cfg: ModelConfig, env_cfg: EnvConfig, seed: int) -> Path | None:
+    """The directory :func:`resolve_model_path` would give, where it is on this machine already
+    (nothing is built or made); None for a model not built yet or a hub id."""
+    if model_cfg.bootstrap is not None:
+        boot = model_cfg.bootstrap
+        key = bootstrap_key(boot, env_cfg, boot.seed if boot.seed is not None else seed)
+        directory = Path(os.path.expanduser(boot.cache_dir)) / f"{boot.policy}-{key}"
+    elif model_cfg.path == "smollm2":
+        directory = Path(os.path.expanduser("~/.cache/opd/smollm2-135m"))
+    else:
+        directory = Path(os.path.expanduser(str(model_cfg.path)))
+    return directory if (directory / "config.json").is_file() else None

@@ -7,6 +7,14 @@ back as an :class:`EnvFailure`, the child is killed and a fresh one is started o
 use, and every other slot goes on untouched. The rollout loop marks the failed episode
 (``end_reason="env_error"``) and keeps the rest.
 
+A child whose process died (killed from outside, the OOM killer, a crash) is first given one
+chance to carry on: a fresh child replays the episode's calls so far (its reset and steps), each
+answer checked against the one the dead child gave (a hash of its bytes), and then takes the call
+that failed. An environment that is a function of its seed and its actions, as every one in
+``environments/`` is, continues exactly where it was, and the episode is the one an unbroken run
+plays (``replays`` counts these). A replay that answers differently, or a call that crashes
+again (a crash the action itself causes), is the :class:`EnvFailure` it would have been.
+
 Children come from a ``forkserver`` that imported the environments once, so a new child costs
 milliseconds, not an interpreter start-up; they never inherit the policy's threads or CUDA
 state.
@@ -64,6 +72,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import multiprocessing
@@ -105,6 +114,12 @@ class _ChildLimits:
     def memory_hint(self) -> str:
         return (f"its memory is limited to {self.memory_limit_mb:g} MiB (env.memory_limit_mb); raise it if the "
                 "environment needs more, or set 0 for no limit")
+
+
+def pool_counts(envs: Any) -> dict[str, float]:
+    """A pool's counts so far (0 without one): ``env_restarts``, children started again, and
+    ``env_replays``, episodes carried on after a replay. Callers log the difference around a call."""
+    return {"env_restarts": float(getattr(envs, "restarts", 0)), "env_replays": float(getattr(envs, "replays", 0))}
 
 
 # ----- child side -----
@@ -301,7 +316,7 @@ class _Slot:
         with _main_module_hidden():
             self.process.start()
         child.close()
-        self.command = ""  # of the call in flight
+        self.message: tuple = ("",)  # the call in flight
 
     def kill(self) -> None:
         self.process.kill()
@@ -324,10 +339,13 @@ class EnvWorkerPool:
             together (not counting processes it starts); 0 for no limit.
         max_result_bytes: largest JSON answer taken from a child; a larger one is an ``error``
             (the largest measured: 0.12 MB, ScienceWorld listing its admissible actions).
+        replay_crashes: carry an episode on in a fresh child when its child's process died, by
+            replaying the episode's calls (see the module docstring); ``False``: the crash ends it.
     """
 
     def __init__(self, factory: EnvFactoryType, timeout_s: float = 60.0, preload: tuple[str, ...] = ("environments",),
-                 *, memory_limit_mb: float = 4096, cpu_time_limit_s: float = 60.0, max_result_bytes: int = 8 * 2**20):
+                 *, memory_limit_mb: float = 4096, cpu_time_limit_s: float = 60.0, max_result_bytes: int = 8 * 2**20,
+                 replay_crashes: bool = True):
         for name, value in (("memory_limit_mb", memory_limit_mb), ("cpu_time_limit_s", cpu_time_limit_s),
                             ("max_result_bytes", max_result_bytes)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
@@ -341,7 +359,11 @@ class EnvWorkerPool:
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(list(preload))
         self._slots: dict[int, _Slot] = {}
-        self.restarts = 0
+        self.replay_crashes = replay_crashes
+        # Each slot's episode so far: its calls, each with a hash of the answer it got (for a replay).
+        self._episodes: dict[int, list[tuple[tuple, bytes]]] = {}
+        self.restarts = 0  # children killed or found dead, and started again
+        self.replays = 0  # episodes carried on in a fresh child after a replay
 
     def _slot(self, i: int) -> _Slot:
         if i not in self._slots:
@@ -349,8 +371,9 @@ class EnvWorkerPool:
         return self._slots[i]
 
     def _call_many(self, calls: list[tuple[int, tuple]], while_waiting: Callable[[], bool] | None = None,
-                   grace_s: float = 0.0) -> list[Any]:
-        """Send every call, then gather the answers against one deadline.
+                   grace_s: float = 0.0, carry_on: bool = True) -> list[Any]:
+        """Send every call, then gather the answers against one deadline; a call whose child died
+        is then carried on in a fresh child where it can be (:meth:`_carried_on`).
 
         ``while_waiting`` is the caller's own work, run in this thread while no answer is in:
         one short unit per call, returning ``False`` when there is none left (then this waits
@@ -364,7 +387,7 @@ class EnvWorkerPool:
             slot = self._slot(i)
             try:
                 slot.conn.send(message)
-                slot.command = message[0]
+                slot.message = message
                 waiting[slot.conn] = i
             except (BrokenPipeError, OSError):
                 results[i] = self._fail(i, "crash", "its process had died before the call")
@@ -387,7 +410,46 @@ class EnvWorkerPool:
             for conn in ready:
                 i = waiting.pop(conn)
                 results[i] = self._receive(i)
+        if carry_on and self.replay_crashes:
+            for i, message in calls:
+                if isinstance(results[i], EnvFailure) and results[i].kind == "crash":
+                    results[i] = self._carried_on(i, message, results[i])
         return [results[i] for i, _ in calls]
+
+    def _carried_on(self, i: int, message: tuple, failure: EnvFailure) -> Any:
+        """Slot ``i``'s call ``message`` once more, in a fresh child that first replays the
+        episode's calls so far and gets the answers the dead child gave; ``failure`` (with why)
+        where a replayed answer differs or a call fails again."""
+        history = self._episodes.pop(i, []) if message[0] == "step" else []
+        if message[0] == "step" and not history:
+            return failure  # no reset to start from: nothing to replay
+        for n, (earlier, digest) in enumerate(history, 1):
+            answer = self._call_one(i, earlier)
+            if isinstance(answer, EnvFailure):
+                return EnvFailure(failure.kind, f"{failure.message}; replaying the episode in a new process to carry "
+                                                f"on failed at its call {n} of {len(history)}: {answer.message}")
+            if self._episodes[i][-1][1] != digest:
+                self._episodes.pop(i)
+                return EnvFailure(failure.kind, f"{failure.message}; replaying the episode in a new process gave a "
+                                                f"different answer at its call {n} of {len(history)} (the environment "
+                                                "is not a function of its seed and actions), so it could not go on")
+        answer = self._call_one(i, message)
+        if isinstance(answer, EnvFailure):
+            return EnvFailure(answer.kind, f"{failure.message}; carried on in a new process after replaying the "
+                                           f"episode's {len(history)} call(s), it failed again: {answer.message}")
+        self.replays += 1
+        return answer
+
+    def _call_one(self, i: int, message: tuple) -> Any:
+        return self._call_many([(i, message)], carry_on=False)[0]
+
+    def _remember(self, i: int, message: tuple, answer: bytes) -> None:
+        """The episode's calls so far: a reset starts them afresh, a step adds to them."""
+        digest = hashlib.blake2b(answer, digest_size=16).digest()
+        if message[0] == "reset":
+            self._episodes[i] = [(message, digest)]
+        elif i in self._episodes:
+            self._episodes[i].append((message, digest))
 
     def _receive(self, i: int) -> Any:
         """Slot ``i``'s answer: its checked result, or an EnvFailure (restarting the slot where
@@ -395,7 +457,7 @@ class EnvWorkerPool:
         slot = self._slots[i]
         try:
             data = slot.conn.recv_bytes(self.limits.max_result_bytes)
-        except EOFError:
+        except (EOFError, ConnectionResetError):  # the child is gone (a reset: killed with a reply unread)
             return self._fail(i, *self._death(slot))
         except OSError as exc:  # "bad message length": over the cap, left unread
             return self._fail(i, "error", f"its answer could not be taken ({exc}): over max_result_bytes="
@@ -412,9 +474,11 @@ class EnvWorkerPool:
         if status == "error":
             return EnvFailure("error", payload.strip())
         try:
-            return _checked_result(slot.command, payload)
+            result = _checked_result(slot.message[0], payload)
         except ValueError as exc:
             return self._fail(i, "error", f"{exc}; the environment's process was restarted")
+        self._remember(i, slot.message, data)
+        return result
 
     def _death(self, slot: _Slot) -> tuple[str, str]:
         """``(kind, message)`` for a child whose pipe closed: what its exit code tells."""
@@ -462,6 +526,7 @@ class EnvWorkerPool:
                 slot.process.kill()
             slot.conn.close()
         self._slots.clear()
+        self._episodes.clear()
 
     def __enter__(self) -> "EnvWorkerPool":
         return self
@@ -477,7 +542,7 @@ class InProcessEnvs:
     def __init__(self, factory: EnvFactoryType):
         self.factory = factory
         self._envs: dict[int, Any] = {}
-        self.restarts = 0
+        self.restarts = self.replays = 0  # nothing runs apart: never any
 
     def _run(self, i: int, call: Callable[[Any], Any]) -> Any:
         try:

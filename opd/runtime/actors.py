@@ -59,6 +59,7 @@ class RayWorkers:
     timeout_s: float | None = None
     groups: dict[str, Any] | None = None  # each role's placement group (opd.runtime.placement)
     gathered_export: bool = False  # every trainer rank takes part in export_weights (ZeRO-3)
+    chaos: Any = None  # a chaos run's injector (opd.runtime.chaos), which every wait goes through
 
     def __post_init__(self) -> None:
         # The groups live as long as this handle, as the actors do (Ray ends an actor whose last
@@ -109,6 +110,8 @@ class RayWorkers:
         from ray import exceptions as rex
 
         try:
+            if self.chaos is not None:
+                return self.chaos.around(call, lambda: ray.get(ref, timeout=self.timeout_s))
             return ray.get(ref, timeout=self.timeout_s)
         except rex.GetTimeoutError:
             with contextlib.suppress(Exception):  # best effort: the run stops and Ray's shutdown ends the actor

@@ -65,8 +65,7 @@ from opd.runtime.tracking import MetricsLog, require_backends
 from opd.runtime.workers import recipe_loss_terms
 from opd.schema import OPDConfig
 from opd.training.checkpoint import (CheckpointError, OutOfSpaceError, atomic_write_text, complete_checkpoints,
-                                     estimated_checkpoint_bytes, latest_checkpoint,
-                                     save_checkpoint, verified_checkpoints)
+                                     latest_checkpoint, save_checkpoint, too_little_space, verified_checkpoints)
 from opd.training.trainer import peak_rss_mb
 
 __all__ = ["RESUMABLE_KEYS", "RunError", "TrainingRun", "finished_summary", "recipe_changes", "train"]
@@ -99,22 +98,42 @@ def train(cfg: OPDConfig, resume: bool = False, console: Any = None) -> dict[str
             "summary.json; nothing to do. Raise run.total_steps to train on. Its summary:")
         render_summary(console, done, cfg)
         return done
+    chaos = _chaos(cfg, log)
     preemption = Preemption(cfg.run.preempt_grace_s, log)
     preemption.install()
     try:
         with RunDirectoryLock(Path(cfg.run.output_dir), log):  # one driver per run directory
-            return _attempts(cfg, resume, console, preemption, log)
+            try:
+                return _attempts(cfg, resume, console, preemption, log, chaos)
+            finally:
+                if chaos is not None:
+                    chaos.close()
     finally:
         preemption.uninstall()
 
 
+def _chaos(cfg: OPDConfig, log: Callable[[str], None]) -> Any:
+    """The seeded fault injector of a chaos run (``OPD_CHAOS``, :mod:`opd.runtime.chaos`), or None."""
+    from opd.runtime.chaos import ENV_VAR, Chaos, ChaosError
+
+    try:
+        chaos = Chaos.from_environment(cfg.run.total_steps, cfg.run.save_every_steps, Path(cfg.run.output_dir), log)
+    except ChaosError as exc:
+        raise ConfigError(f"{exc}; unset {ENV_VAR} for a run without injected faults") from None
+    if chaos is not None and cfg.run.backend != "ray":
+        raise ConfigError(f"{ENV_VAR} kills the run's actors: it needs run.backend: ray (the recipe has "
+                          f"{cfg.run.backend!r}); unset {ENV_VAR} or set run.backend: ray")
+    return chaos
+
+
 def _attempts(cfg: OPDConfig, resume: bool, console: Any, preemption: Preemption,
-              log: Callable[[str], None]) -> dict[str, Any]:
+              log: Callable[[str], None], chaos: Any = None) -> dict[str, Any]:
     """:func:`train`'s attempts: one, and one more from the last checkpoint after each death of a
     role's actor, up to ``run.max_restarts``."""
     restarts = 0
     while True:
-        run = TrainingRun(cfg, resume, console, preemption)
+        run = TrainingRun(cfg, resume, console, preemption, chaos)
+        run.restarts = restarts
         try:
             run.setup()
             preemption.install()  # again: Ray's core worker put its own SIGTERM handler in when it started
@@ -187,9 +206,12 @@ class TrainingRun:
     """One attempt of a run: call :meth:`setup`, :meth:`preflight`, :meth:`train`, then
     :meth:`summarize`; :meth:`shutdown` ends the roles whatever happened."""
 
-    def __init__(self, cfg: OPDConfig, resume: bool, console: Any = None, preemption: Preemption | None = None):
+    def __init__(self, cfg: OPDConfig, resume: bool, console: Any = None, preemption: Preemption | None = None,
+                 chaos: Any = None):
         self.cfg, self.resume, self.console = cfg, resume, console
         self.preemption = preemption
+        self.chaos = chaos  # a chaos run's fault injector (opd.runtime.chaos)
+        self.restarts = 0  # of the roles from a checkpoint by this driver before this attempt
         self.last_save_s = 0.0  # how long the last checkpoint took: a preempted run's estimate
         self.log: Callable[[str], None] = console.log if console is not None else print
         self.run_dir = Path(cfg.run.output_dir)
@@ -273,13 +295,9 @@ class TrainingRun:
     def _check_space(self, student_dir: Path) -> None:
         """Room for one checkpoint in the run directory, before any role starts (the estimate of
         :func:`~opd.training.checkpoint.estimated_checkpoint_bytes`)."""
-        needed = estimated_checkpoint_bytes(student_dir)
-        free = shutil.disk_usage(self.run_dir).free
-        if needed is not None and free < needed:
-            raise RunError(f"too little space in {self.run_dir} for one checkpoint: it takes about "
-                           f"{needed / 2**20:.1f} MB (the student's weights twice and AdamW's three float32 copies), "
-                           f"{free / 2**20:.1f} MB are free. Free space there or set run.output_dir elsewhere.",
-                           resumable=False)
+        problem = too_little_space(self.run_dir, student_dir)
+        if problem:
+            raise RunError(problem, resumable=False)
 
     def _tasks(self) -> tuple[EnvFactory, list[str], list[str]]:
         """The environment's factory, its train tasks and the held-out tasks evaluated."""
@@ -303,6 +321,8 @@ class TrainingRun:
 
         init_ray(self.cfg.resources)
         self.workers = workers = spawn_workers(self.cfg, student_path, teacher_path)
+        if self.chaos is not None:
+            self.chaos.attach(workers)
         self.placement = workers.placement()
         if len({n["node_id"] for nodes in self.placement.values() for n in nodes}) > 1:
             self.log("roles on nodes: " + "; ".join(
@@ -500,6 +520,7 @@ class TrainingRun:
             "heldout": state.heldout_figures(),
             "run_dir": str(self.run_dir),
             "time_split": RunDir(self.run_dir).time_split(),
+            **({"restarts": self.restarts} if self.restarts else {}),
             **({"placement": self.placement} if self.placement else {}),
         }
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))

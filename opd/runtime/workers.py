@@ -154,17 +154,18 @@ class PolicyWorker:
                 first_index: int = 0) -> tuple[list[Trajectory], dict[str, float]]:
         """Play one episode per task (``tasks[0]`` the step's episode ``first_index``, see
         :func:`opd.rollout.vanilla.run_episodes`); returns the trajectories and timing."""
+        from opd.rollout.env_pool import pool_counts
         from opd.rollout.vanilla import run_episodes
 
         start = time.perf_counter()
         envs = self.envs(env_factory, settings)
-        restarts_before = envs.restarts if envs is not None else 0
+        before = pool_counts(envs)
         trajs = run_episodes(self.engine, env_factory, tasks, self.tokenizer, self.fmt, settings, seed, envs=envs,
                              first_index=first_index)
         seconds = time.perf_counter() - start
         tokens = sum(t.num_response_tokens for t in trajs)
-        restarts = (envs.restarts - restarts_before) if envs is not None else 0
-        return trajs, {"generation_s": seconds, "generated_tokens": float(tokens), "env_restarts": float(restarts)}
+        return trajs, {"generation_s": seconds, "generated_tokens": float(tokens),
+                       **{key: n - before[key] for key, n in pool_counts(envs).items()}}
 
     def run(self, fn, *args, **kwargs):
         """``fn(self, *args, **kwargs)`` inside this worker: how an algorithm runs its own rollout

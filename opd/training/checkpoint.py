@@ -169,6 +169,22 @@ def estimated_checkpoint_bytes(model_dir: Path) -> int | None:
     return 2 * weights + 3 * weights * 4 // per_value
 
 
+def too_little_space(run_dir: Path, model_dir: Path) -> str | None:
+    """Why ``run_dir`` (or, before it exists, the directory it will be made in) cannot hold one
+    checkpoint of the student in ``model_dir`` (:func:`estimated_checkpoint_bytes` against the
+    bytes free), or None where it can or the size cannot be told."""
+    needed = estimated_checkpoint_bytes(model_dir)
+    where = Path(run_dir)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if needed is None or free >= needed:
+        return None
+    return (f"too little space in {run_dir} for one checkpoint: it takes about {_size(needed)} (the student's "
+            f"weights twice and AdamW's three float32 copies), {_size(free)} are free. Free space there or set "
+            "run.output_dir elsewhere.")
+
+
 def complete_checkpoints(run_dir: Path) -> list[Path]:
     """Checkpoints that have a ``COMPLETE`` marker (not yet verified), oldest first."""
     root = run_dir / "checkpoints"

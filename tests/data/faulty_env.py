@@ -13,7 +13,8 @@ On tasks whose number is 1 modulo ``every``, the step of turn ``at_turn`` misbeh
       own size check) or ``bad_shape`` (the protocol's JSON with a 3-value step result).
 
 ``fault="slow"`` instead makes every step of every task take ``step_delay_s`` longer, like an
-engine that computes. Every other task plays exactly like ``opd/FrozenLakeText-v0``.
+engine that computes; ``fault="unseeded"`` puts its process's id into every observation, like an
+engine whose state is not a function of its seed and actions. Every other task plays exactly like ``opd/FrozenLakeText-v0``.
 Registered as ``opdtest/FaultyFrozenLake-v0`` when imported (a recipe names this module in
 ``env.module``, as a user's own environment package would be).
 """
@@ -46,7 +47,14 @@ class FaultyFrozenLakeEnv(FrozenLakeTextEnv):
     def faulty(self, task: str) -> bool:
         return int(task.rsplit("-", 1)[1]) % self.every == 1
 
+    def reset(self, *, seed=None, options=None):
+        obs, info = super().reset(seed=seed, options=options)
+        return (f"{obs} [process {os.getpid()}]" if self.fault == "unseeded" else obs), info
+
     def step(self, action: str):
+        if self.fault == "unseeded":
+            obs, *rest = super().step(action)
+            return (f"{obs} [process {os.getpid()}]", *rest)
         if self.fault == "slow":
             time.sleep(self.step_delay_s)
             return super().step(action)

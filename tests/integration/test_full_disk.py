@@ -71,3 +71,12 @@ def test_a_run_directory_too_small_for_one_checkpoint_is_refused_before_any_role
     assert done.returncode == 2, out[-3000:]
     assert f"error: too little space in {disk / 'run'} for one checkpoint: it takes about 2.0 MB" in out, out[-3000:]
     assert "before training" not in out and not (disk / "run" / "checkpoints").exists()
+    # `opd check` says the same before anything runs, for a directory not made yet too (the student built above)
+    cache = tmp_path.parent / "cache"
+    check = subprocess.run([sys.executable, "-m", "opd.cli", "check", str(TINY), f"run.output_dir={disk / 'new' / 'run'}",
+                            f"student.bootstrap.cache_dir={cache}", f"teacher.bootstrap.cache_dir={cache}"],
+                           cwd=ROOT, capture_output=True, text=True, env={**os.environ, "COLUMNS": "400"})
+    out = " ".join((check.stdout + check.stderr).split())
+    assert check.returncode == 2, out[-3000:]
+    assert f"error: too little space in {disk / 'new' / 'run'} for one checkpoint: it takes about 2.0 MB" in out
+    assert not (disk / "new").exists()

@@ -171,6 +171,8 @@ def test_a_node_lost_mid_run_is_replaced_by_the_nodes_left(four_nodes, tmp_path,
     assert main(["train", str(TINY), *args]) == 0
     remover.join(timeout=10)
     out = " ".join(capsys.readouterr().out.split())
+    with capsys.disabled():  # what the run said, for -s
+        print(f"removed node {removed[0][:8] if removed else None}:", out[max(0, out.find("actor died") - 40):][:400])
     assert removed, "no node was removed (the run ended first)"
     assert "actor died" in out and "restarting every role from step_" in out, out[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -178,3 +180,5 @@ def test_a_node_lost_mid_run_is_replaced_by_the_nodes_left(four_nodes, tmp_path,
     placement = json.loads((run_dir / "summary.json").read_text())["placement"]
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert all(found[0]["node_id"] in alive and found[0]["node_id"] != removed[0] for found in placement.values())
+    with capsys.disabled():
+        print("roles on nodes at the end:", {role: found[0]["node_id"][:8] for role, found in placement.items()})

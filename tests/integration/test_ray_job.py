@@ -8,6 +8,7 @@ with opd's message. Needs the ``cluster`` extra (``ray[default]``: the dashboard
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -56,3 +57,48 @@ def test_a_failing_job_comes_back_failed_with_opds_message(head, tmp_path):
     assert done.returncode != 0
     assert f"error: recipe file not found: {missing}" in transcript
     assert "failed with exit code 2" in transcript
+
+
+def _job(head, command: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(RAY), "job", command, "--address", head.dashboard, *args],
+                          env=user_env(head.home, RAY_AUTH_MODE="token"), capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=300)
+
+
+def test_ray_job_stop_saves_the_step_under_way_and_the_run_resumes(head, tmp_path):
+    """``ray job stop`` sends the job's processes SIGTERM and SIGKILL ``RAY_JOB_STOP_WAIT_TIME_S``
+    later: with that set above the time a save takes (the runtime environment carries it to the
+    job's supervisor), the run saves the step it was in, exits 143 and the job is STOPPED; a
+    second job with ``--resume`` trains the remaining steps, each logged once (issue 51)."""
+    import time
+
+    run_dir = tmp_path / "run"
+    train = [str(OPD), "train", str(TINY), f"run.output_dir={run_dir}", "run.total_steps=40",
+             "run.save_every_steps=100", f"student.bootstrap.cache_dir={tmp_path / 'cache'}",
+             f"teacher.bootstrap.cache_dir={tmp_path / 'cache'}"]
+    wait_env = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}})
+    started = _job(head, "submit", "--no-wait", "--submission-id", "opd-stopped", "--runtime-env-json", wait_env,
+                   "--", *train)
+    assert started.returncode == 0, started.stdout + started.stderr
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 600
+    while time.monotonic() < deadline and not (metrics.is_file() and '"step": 2,' in metrics.read_text()):
+        time.sleep(0.2)
+    assert _job(head, "stop", "opd-stopped").returncode == 0
+    for _ in range(120):  # `ray job status` says "Job 'opd-stopped' was stopped"
+        if "was stopped" in (status := _job(head, "status", "opd-stopped")).stdout + status.stderr:
+            break
+        time.sleep(1)
+    logs = _job(head, "logs", "opd-stopped")
+    text = " ".join((logs.stdout + logs.stderr).split())
+    assert "was stopped" in status.stdout + status.stderr, text[-3000:]
+    assert "preempted: stopped on SIGTERM after" in text and "saved checkpoint" in text, text[-3000:]
+    saved = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
+    assert len(saved) == 1 and 2 <= saved[0] < 40, saved  # the step it was in when stopped, not a later one
+
+    resumed = _submit(head, *train, "--resume")
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    # the job's console colours paths and wraps them anywhere
+    squeezed = "".join(re.sub(r"\x1b\[[0-9;]*m", "", resumed.stdout).split())
+    assert "resumedfrom" in squeezed and f"checkpoints/step_{saved[0]}(step{saved[0]})" in squeezed
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if "time/step_s" in line]
+    assert steps == list(range(1, 41))  # every step once: none lost, none repeated

@@ -45,12 +45,68 @@ def test_a_failing_environment_ends_only_its_episode(tokenizer, fmt, tiny_model_
             assert traj.error.startswith(f"environment {kind}") if kind != "error" else "simulated engine failure" in traj.error
             assert len(traj.turns) == 2  # the failing step's response is kept, nothing after it
             assert traj.turns[0].observation == reference[i].turns[0].observation
-        assert pool.restarts == (2 if kind != "error" else 0)
+        # A crash is tried once more in a fresh process after replaying the episode: it crashes again.
+        assert pool.restarts == {"error": 0, "crash": 4, "timeout": 2}[kind] and pool.replays == 0
+        if kind == "crash":
+            assert "after replaying the episode's 2 call(s), it failed again" in trajs[1].error
         if kind == "timeout":
             assert elapsed < 3.0 * 2 + 10, "both hangs share one deadline"
         # The pool goes on: the failed slots serve fresh episodes.
         again = run_episodes(engine, None, ["fl4-train-00000"] * 2, tokenizer, fmt, settings, seed=7, envs=pool)
         assert _comparable(again[0]) == _comparable(reference[0]) == _comparable(again[1])
+
+
+def _play(pool: EnvWorkerPool, actions: list[str], kill_after: int | None = None, delay_s: float = 0.0) -> list:
+    """Two episodes side by side (slots 0 and 1); slot 0's process is SIGKILLed from outside
+    ``delay_s`` after the step ``kill_after`` was sent (0: right after its reset)."""
+    import os
+    import signal
+    import threading
+
+    answers = [pool.reset_many([(0, "fl4-train-00000", 3), (1, "fl4-train-00000", 4)])]
+    for n, action in enumerate(actions, 1):
+        killer = None
+        if n == kill_after:
+            pid = pool._slots[0].process.pid
+            killer = threading.Timer(delay_s, os.kill, (pid, signal.SIGKILL))
+            killer.start()
+        answers.append(pool.step_many([(0, action), (1, action)]))
+        if killer is not None:
+            killer.join()
+    return answers
+
+
+def test_a_child_killed_mid_episode_is_replayed_in_a_fresh_one_and_the_episode_goes_on_unchanged():
+    """An environment's process killed from outside (the OOM killer, a chaos run) while idle
+    between steps or in the middle of one: a fresh child replays the episode's calls, each answer
+    checked, and the episode goes on with exactly the answers an unbroken pool gives."""
+    actions = ["right", "right", "down", "right"]  # each to a new square, none into a hole
+    with _slow_pool(0.0) as pool:
+        unbroken = _play(pool, actions)
+        assert (pool.restarts, pool.replays) == (0, 0)
+    with _slow_pool(0.0) as pool:
+        assert _play(pool, actions, kill_after=3) == unbroken  # killed idle, found dead when step 3 is sent
+        assert (pool.restarts, pool.replays) == (1, 1)
+    with _slow_pool(0.5) as pool:
+        assert _play(pool, actions, kill_after=4, delay_s=0.2) == unbroken  # killed while it computes step 4
+        assert (pool.restarts, pool.replays) == (1, 1)
+
+
+def test_a_replay_that_answers_differently_ends_the_episode_saying_why():
+    """An environment that is not a function of its seed and actions cannot be carried on: the
+    crash is the episode's failure, and the message says the replay diverged."""
+    factory = EnvFactory("opdtest/FaultyFrozenLake-v0", {**KWARGS, "fault": "unseeded"}, "tests.data.faulty_env")
+    with EnvWorkerPool(factory, timeout_s=10.0, preload=("environments", "tests.data.faulty_env")) as pool:
+        answers = _play(pool, ["right", "down"], kill_after=2)
+        failure = answers[2][0]
+        assert isinstance(failure, EnvFailure) and failure.kind == "crash"
+        assert failure.message.startswith("environment crash: its process died (exit code -9, SIGKILL)")
+        assert "gave a different answer at its call 1 of 2" in failure.message
+        assert isinstance(answers[2][1], tuple) and pool.replays == 0  # the other slot went on
+    with EnvWorkerPool(factory, timeout_s=10.0, preload=("environments", "tests.data.faulty_env"),
+                       replay_crashes=False) as pool:
+        failure = _play(pool, ["right", "down"], kill_after=2)[2][0]
+        assert failure.kind == "crash" and "replay" not in failure.message and pool.restarts == 1
 
 
 def test_pool_results_and_failures_line_up_with_their_calls():
@@ -320,6 +376,7 @@ def test_pool_signature():
         "memory_limit_mb": (inspect.Parameter.KEYWORD_ONLY, 4096),
         "cpu_time_limit_s": (inspect.Parameter.KEYWORD_ONLY, 60.0),
         "max_result_bytes": (inspect.Parameter.KEYWORD_ONLY, 8 * 2**20),
+        "replay_crashes": (inspect.Parameter.KEYWORD_ONLY, True),
     }
 
 
