@@ -224,13 +224,13 @@ def _check_space(cfg: Any) -> None:
     """``opd check``: room in ``run.output_dir`` for one checkpoint, where the student's model is
     on this machine already to be measured (``opd train`` checks again once it is built)."""
     from opd.bootstrap import existing_model_path
-    from opd.runtime.errors import RunError
+    from opd.config import ConfigError
     from opd.training.checkpoint import too_little_space
 
     student = existing_model_path(cfg.student, cfg.env, cfg.run.seed + 1)
     problem = too_little_space(Path(cfg.run.output_dir), student) if student is not None else None
     if problem:
-        raise RunError(problem, resumable=False)
+        raise ConfigError(problem)
 
 
 def _fractions(text: str | None) -> list[float] | None:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Callable, TextIO
 
-from opd.runtime.errors import RunError
+from opd.config import ConfigError
 
 __all__ = ["LOCK_NAME", "RunDirectoryLock"]
 
@@ -32,7 +32,8 @@ LOCK_NAME = ".opd.lock"
 
 class RunDirectoryLock:
     """``with RunDirectoryLock(run_dir):`` the run directory is this process's, or a
-    :class:`RunError` says whose it is."""
+    :class:`~opd.config.ConfigError` says whose it is (the user's to resolve, like a recipe
+    error: nothing is written there, not even an ``error.log``)."""
 
     def __init__(self, run_dir: Path, log: Callable[[str], None] = print):
         self.path = Path(run_dir) / LOCK_NAME
@@ -48,9 +49,9 @@ class RunDirectoryLock:
             file.seek(0)
             holder = _describe(file.read())
             file.close()
-            raise RunError(f"{self.path.parent} is being written by another opd process ({holder}); wait for it to "
-                           "end (or stop it), or set run.output_dir to another directory. Nothing was changed.",
-                           resumable=False) from None
+            raise ConfigError(f"{self.path.parent} is being written by another opd process ({holder}); wait for it "
+                              "to end (or stop it), or set run.output_dir to another directory. Nothing was changed.") \
+                from None
         except OSError as exc:  # a filesystem without flock (some NFS mounts): run unguarded, and say so
             self.log(f"[yellow]warning:[/] cannot lock {self.path} ({exc}); nothing stops a second driver from "
                      "writing this run directory at the same time")

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from opd.runtime.errors import RunError
+from opd.config import ConfigError
 from opd.runtime.run_lock import LOCK_NAME, RunDirectoryLock
 
 HOLD = """
@@ -31,13 +31,13 @@ def test_a_live_driver_keeps_the_directory_and_a_dead_one_does_not(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "held"
         start = time.monotonic()
-        with pytest.raises(RunError) as caught:
+        with pytest.raises(ConfigError) as caught:
             with RunDirectoryLock(run):
                 pass
         assert time.monotonic() - start < 1.0  # at once, not after a timeout
         message = str(caught.value)
         assert f"{run} is being written by another opd process (pid {holder.pid} on " in message
-        assert "set run.output_dir to another directory. Nothing was changed." in message and not caught.value.resumable
+        assert "set run.output_dir to another directory. Nothing was changed." in message
         os.kill(holder.pid, signal.SIGKILL)  # the driver dies without cleaning up
         holder.wait(timeout=10)
         assert (run / LOCK_NAME).exists()  # its file is left behind...

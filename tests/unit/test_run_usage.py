@@ -105,6 +105,7 @@ def test_a_second_driver_on_a_live_run_directory_is_refused_at_once(recipe, caps
         out = " ".join(capsys.readouterr().out.split())
         assert f"error: {run} is being written by another opd process (pid {holder.pid} on " in out
         assert "resume with" not in out and not (run / "checkpoints").exists()
+        assert not (run / "error.log").exists()  # the other driver's directory: nothing written there
     finally:
         holder.kill()
         holder.wait(timeout=10)
