@@ -9,7 +9,7 @@ past the last step), waits for a step drawn from the seed to be logged, waits a 
 fraction of a step, and sends the driver SIGTERM. Recorded per trial: the exit status (143
 expected), what the run saved (the step it had finished), how long it took to stop, and after
 ``opd train --resume``: whether every step is logged once and every logged value equals the
-uninterrupted run's (``opd.runtime.chaos.step_values``: the values that depend neither on timing
+uninterrupted run's (``opd.runtime.chaos.value_differences``: the values that depend neither on timing
 nor on faults, relative 1e-6). Written to ``<out>/preempt.json`` and ``.md``.
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from opd.runtime.chaos import step_values  # noqa: E402
+from opd.runtime.chaos import value_differences  # noqa: E402
 
 
 def command(recipe: str, run_dir: Path, steps: int, cache: Path, *extra: str) -> list[str]:
@@ -44,16 +44,6 @@ def logged_steps(run_dir: Path) -> list[int]:
     if not path.is_file():
         return []
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if '"time/step_s"' in line]
-
-
-def differences(whole: Path, resumed: Path) -> list[str]:
-    want, got = step_values(whole), step_values(resumed)
-    out = []
-    for step in sorted(want.keys() | got.keys()):
-        a, b = want.get(step, [{}])[0], got.get(step, [{}])[0]
-        out += [f"step {step} {k}" for k in a.keys() | b.keys()
-                if a.get(k) is None or b.get(k) is None or abs(a[k] - b[k]) > 1e-6 * max(1.0, abs(a[k]))]
-    return out
 
 
 def trial(k: int, rng: random.Random, args, cache: Path, whole: Path, step_s: float) -> dict:
@@ -81,7 +71,7 @@ def trial(k: int, rng: random.Random, args, cache: Path, whole: Path, step_s: fl
     return {"trial": k, "signalled_after_step": max(signalled, default=0), "exit_status": status,
             "saved_step": int(saved.group(1)) if saved else None, "stop_s": round(stop_s, 2),
             "resumed_ok": resumed.returncode == 0, "steps_once": steps == list(range(1, args.steps + 1)),
-            "differences": len(differences(whole, run_dir)) if resumed.returncode == 0 else None}
+            "differences": len(value_differences(whole, run_dir)) if resumed.returncode == 0 else None}
 
 
 def markdown(rows: list[dict], args) -> str:

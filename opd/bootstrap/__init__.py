@@ -62,9 +62,8 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from opd.bootstrap.build import build_bootstrap_model
-from opd.bootstrap.cache import bootstrap_key
-from opd.models import smollm2_model_dir
+from opd.bootstrap.build import bootstrap_dir, build_bootstrap_model
+from opd.models import smollm2_dir, smollm2_model_dir
 from opd.schema import EnvConfig, ModelConfig
 
 __all__ = ["build_bootstrap_model", "existing_model_path", "resolve_model_path"]
@@ -89,10 +88,9 @@ def existing_model_path(model_cfg: ModelConfig, env_cfg: EnvConfig, seed: int) -
     (nothing is built or made); None for a model not built yet or a hub id."""
     if model_cfg.bootstrap is not None:
         boot = model_cfg.bootstrap
-        key = bootstrap_key(boot, env_cfg, boot.seed if boot.seed is not None else seed)
-        directory = Path(os.path.expanduser(boot.cache_dir)) / f"{boot.policy}-{key}"
+        directory = bootstrap_dir(boot, env_cfg, boot.seed if boot.seed is not None else seed)
     elif model_cfg.path == "smollm2":
-        directory = Path(os.path.expanduser("~/.cache/opd/smollm2-135m"))
+        directory = smollm2_dir()
     else:
         directory = Path(os.path.expanduser(str(model_cfg.path)))
     return directory if (directory / "config.json").is_file() else None

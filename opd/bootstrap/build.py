@@ -29,10 +29,15 @@ from opd.schema import BootstrapConfig, EnvConfig
 DAGGER_CHUNK = 16  # episodes played together (one batched generate a turn, their envs alive at once)
 
 
+def bootstrap_dir(boot: BootstrapConfig, env_cfg: EnvConfig, seed: int) -> Path:
+    """Where the model ``boot`` describes lives in its cache, built or not."""
+    return Path(os.path.expanduser(boot.cache_dir)) / f"{boot.policy}-{bootstrap_key(boot, env_cfg, seed)}"
+
+
 def build_bootstrap_model(boot: BootstrapConfig, env_cfg: EnvConfig, seed: int, log: Callable[[str], None] = print) -> str:
     """Return the directory of the model ``boot`` describes, building it on first use."""
-    cache_root = Path(os.path.expanduser(boot.cache_dir))
-    directory = cache_root / f"{boot.policy}-{bootstrap_key(boot, env_cfg, seed)}"
+    directory = bootstrap_dir(boot, env_cfg, seed)
+    cache_root = directory.parent
     if (directory / "model.safetensors").is_file():
         return str(directory)
     _build(boot, env_cfg, seed, log, cache_root, directory)

@@ -247,6 +247,20 @@ def step_values(run_dir: Path) -> dict[int, list[dict[str, float]]]:
     return out
 
 
+def value_differences(whole: Path, other: Path, rel: float = 1e-6) -> list[str]:
+    """Where ``other``'s :func:`step_values` (the first of a step logged twice) differ from
+    ``whole``'s, the run without faults, by more than ``rel``: one line per step and key."""
+    expected, logged = step_values(whole), step_values(other)
+    out = []
+    for step in sorted(expected.keys() | logged.keys()):
+        want, got = expected.get(step, [{}])[0], logged.get(step, [{}])[0]
+        for key in sorted(want.keys() | got.keys()):
+            a, b = want.get(key), got.get(key)
+            if a is None or b is None or abs(a - b) > rel * max(1.0, abs(a)):
+                out.append(f"step {step} {key}: {a} without faults, {b} with")
+    return out
+
+
 def report(chaotic: Path, whole: Path | None = None, rel: float = 1e-6) -> dict[str, Any]:
     """What a chaos run in ``chaotic`` came to, against the same recipe run without faults in
     ``whole``: the faults by call and target (fired, landed during the call, environment
@@ -272,15 +286,7 @@ def report(chaotic: Path, whole: Path | None = None, rel: float = 1e-6) -> dict[
         verified = bool(last) and verify_checkpoint(last[-1])["step"] == steps
     except CheckpointError:
         verified = False
-    differences = []
-    if whole is not None:
-        expected = step_values(whole)
-        for step in sorted(expected.keys() | logged.keys()):
-            want, got = expected.get(step, [{}])[0], logged.get(step, [{}])[0]
-            for key in sorted(want.keys() | got.keys()):
-                a, b = want.get(key), got.get(key)
-                if a is None or b is None or abs(a - b) > rel * max(1.0, abs(a)):
-                    differences.append(f"step {step} {key}: {a} without faults, {b} with")
+    differences = value_differences(whole, chaotic, rel) if whole is not None else []
     return {
         "faults": [{"call": c, "target": t, **row} for (c, t), row in sorted(kinds.items())],
         "fired": sum(row["fired"] for row in kinds.values()),

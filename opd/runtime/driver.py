@@ -39,7 +39,6 @@ exactly where the interrupted one would have been.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
