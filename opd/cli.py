@@ -205,7 +205,7 @@ def _command(args: argparse.Namespace, console: Any) -> int:
     args.run_dir = cfg.run.output_dir
     if args.command == "check":
         console.print(to_yaml(cfg))
-        _check_space(cfg)
+        _check_student(cfg)
         return 0
     if args.command == "references":
         from opd.rollout.references import build_references
@@ -220,17 +220,26 @@ def _command(args: argparse.Namespace, console: Any) -> int:
     return 0
 
 
-def _check_space(cfg: Any) -> None:
-    """``opd check``: room in ``run.output_dir`` for one checkpoint, where the student's model is
-    on this machine already to be measured (``opd train`` checks again once it is built)."""
+def _check_student(cfg: Any) -> None:
+    """``opd check``, where the student's model is on this machine already (``opd train`` checks
+    again once it is built): room in ``run.output_dir`` for one checkpoint, and a LoRA student's
+    target modules."""
     from opd.bootstrap import existing_model_path
     from opd.config import ConfigError
     from opd.training.checkpoint import too_little_space
+    from opd.training.lora import check_model_dir
 
     student = existing_model_path(cfg.student, cfg.env, cfg.run.seed + 1)
-    problem = too_little_space(Path(cfg.run.output_dir), student) if student is not None else None
+    if student is None:
+        return
+    problem = too_little_space(Path(cfg.run.output_dir), student)
     if problem:
         raise ConfigError(problem)
+    if cfg.student.lora.rank > 0:
+        try:
+            check_model_dir(student, list(cfg.student.lora.target_modules), bool(cfg.student.trust_remote_code))
+        except ValueError as exc:
+            raise ConfigError(f"{exc} (the student at {student})") from None
 
 
 def _fractions(text: str | None) -> list[float] | None:
@@ -252,9 +261,11 @@ def _export(run_dir: Path, out: Path, step: int | None, console: Any) -> int:
     except CheckpointError as exc:
         console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
         return 2
+    adapter = (f"; {out / 'adapter'} holds the LoRA adapters alone (PeftModel.from_pretrained(base, "
+               f"'{out / 'adapter'}'))") if "adapter" in files else ""
     console.print(f"exported step {done} of {run_dir} to {out} ({', '.join(files)}); load it with "
                   f"AutoModelForCausalLM.from_pretrained or vLLM, or publish it with: "
-                  f"hf upload YOUR_NAME/MODEL_NAME {out}", soft_wrap=True)
+                  f"hf upload YOUR_NAME/MODEL_NAME {out}{adapter}", soft_wrap=True)
     return 0
 
 

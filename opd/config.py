@@ -353,6 +353,16 @@ def validate(cfg: OPDConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: key 'supervision.cross_tokenizer' works with 'supervision.scoring: sampled' only "
                           f"(got {supervision.scoring!r}): top-k ids and full distributions live in the teacher's "
                           "vocabulary, which the student does not share.")
+    if cfg.teacher.lora.rank > 0:
+        raise ConfigError(f"{source}: key 'teacher.lora.rank' is {cfg.teacher.lora.rank}: the teacher is frozen and "
+                          "trains no adapters; LoRA goes under student.lora.")
+    if cfg.student.lora.rank > 0 and not list(cfg.student.lora.target_modules):
+        raise ConfigError(f"{source}: key 'student.lora.target_modules' is empty: name the linear layers that get "
+                          "adapters (e.g. [q_proj, v_proj]), or [all-linear].")
+    if supervision.scoring in ("full", "hidden") and cfg.teacher.engine == "vllm":
+        raise ConfigError(f"{source}: key 'supervision.scoring' is {supervision.scoring!r} and 'teacher.engine' is "
+                          f"vllm, which cannot return the teacher's whole distribution or its hidden states: set "
+                          "teacher.engine: hf, or supervision.scoring: topk.")
     if rollout.episodes_per_step % trainer.micro_batch_size:
         raise ConfigError(
             f"{source}: key 'trainer.micro_batch_size' ({trainer.micro_batch_size}) must divide "

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from opd.trajectory import TokenBatch
+from opd.trajectory import HeadRows, TokenBatch
 
 LossFn = Callable[[TokenBatch, Mapping[str, Any]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -206,10 +207,12 @@ def _log_mixture(a_log: torch.Tensor, b_log: torch.Tensor, beta: float) -> torch
     return torch.where(finite, shift + torch.where(finite, total, 1.0).log(), float("-inf"))
 
 
-def teacher_student_distributions(batch: TokenBatch, estimator: str) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_student_distributions(batch: TokenBatch, estimator: str,
+                                  part: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The teacher's and the student's distributions at the trained tokens (``loss_mask_BT > 0``,
     ``N`` of them in row-major order, as :class:`~opd.trajectory.TokenRows` keeps them), as
     ``[N, S]`` logprobs; :func:`per_token` puts a value per row back at its ``[B, T]`` token.
+    With ``part``, only those of the ``N`` rows (a chunk: :func:`divergence_per_token`).
 
     - ``full``: ``S = V``, the whole vocabulary.
     - ``topk``: ``S = K + 1``: the teacher's top-k ids, then one bucket for all other ids (the
@@ -221,22 +224,48 @@ def teacher_student_distributions(batch: TokenBatch, estimator: str) -> tuple[to
         raise ValueError("this loss needs the student's full distribution (batch.student_logprobs_NV); "
                          "the trainer sets it, set it yourself when calling a loss directly (batch.with_student)")
     mask_BT = batch.loss_mask_BT > 0
-    student_NV = batch.student_logprobs_NV.at(mask_BT)
+    student_NV = batch.student_logprobs_NV.at(mask_BT, part)
+    part = slice(None) if part is None else part
     if estimator == "full":
         if batch.teacher_full_logprobs_NV is None:
-            raise ValueError("estimator 'full' needs supervision.scoring: full")
-        return batch.teacher_full_logprobs_NV.at(mask_BT).to(student_NV.device), student_NV
+            raise ValueError("estimator 'full' needs supervision.scoring: full (or hidden)")
+        return batch.teacher_full_logprobs_NV.at(mask_BT, part).to(student_NV.device), student_NV
     if batch.teacher_topk_ids_BTK is None:
         raise ValueError("estimator 'topk' needs supervision.scoring: topk")
-    ids_NK = batch.teacher_topk_ids_BTK[mask_BT]
-    teacher_NK = batch.teacher_topk_logprobs_BTK[mask_BT]
+    ids_NK = batch.teacher_topk_ids_BTK[mask_BT][part]
+    teacher_NK = batch.teacher_topk_logprobs_BTK[mask_BT][part]
     real_NK = teacher_NK > float("-inf")
     student_NK = torch.where(real_NK, student_NV.gather(-1, ids_NK), float("-inf"))
     in_topk_NV = torch.zeros_like(student_NV, dtype=torch.bool).scatter_(-1, ids_NK, real_NK)
     student_tail_N = _masked_logsumexp(student_NV, ~in_topk_NV)
-    teacher_NS = torch.cat([teacher_NK, batch.teacher_tail_logprob_BT[mask_BT][..., None]], dim=-1)
+    teacher_NS = torch.cat([teacher_NK, batch.teacher_tail_logprob_BT[mask_BT][part][..., None]], dim=-1)
     student_NS = torch.cat([student_NK, student_tail_N[..., None]], dim=-1)
     return teacher_NS, student_NS
+
+
+def divergence_per_token(batch: TokenBatch, estimator: str,
+                         divergence: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``[B, T]``: ``divergence(teacher_NS, student_NS) -> [N]`` of the distributions of
+    :func:`teacher_student_distributions`, at the trained tokens (0 elsewhere), with gradient.
+
+    Where the student's or the teacher's rows are computed on demand
+    (:class:`~opd.trajectory.HeadRows`, ``trainer.vocab_chunk_tokens``), the rows go through
+    ``divergence`` ``chunk_rows`` at a time, each chunk recomputed in the backward pass
+    (activation checkpointing) rather than kept: at most one chunk's ``[chunk, V]`` log-softmax
+    (and its gradient) is held at once, and the loss and its gradient are the unchunked ones.
+    """
+    mask_BT = batch.loss_mask_BT > 0
+    n = int(mask_BT.sum())
+    chunk = min((rows.chunk_rows for rows in (batch.student_logprobs_NV, batch.teacher_full_logprobs_NV)
+                 if isinstance(rows, HeadRows) and rows.chunk_rows > 0), default=0)
+    if chunk == 0 or n <= chunk:
+        return per_token(batch, divergence(*teacher_student_distributions(batch, estimator)))
+
+    def one_chunk(start: int) -> torch.Tensor:
+        return divergence(*teacher_student_distributions(batch, estimator, slice(start, start + chunk)))
+
+    values_N = torch.cat([checkpoint(one_chunk, start, use_reentrant=False) for start in range(0, n, chunk)])
+    return per_token(batch, values_N)
 
 
 def per_token(batch: TokenBatch, values_N: torch.Tensor) -> torch.Tensor:
@@ -307,8 +336,7 @@ def reverse_kl(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor,
     mask_BT = batch.loss_mask_BT
     coef = float(cfg.get("kl_coef", 1.0))
     if estimator != "sampled":
-        teacher_NS, student_NS = teacher_student_distributions(batch, estimator)
-        kl_BT = per_token(batch, _kl(student_NS, teacher_NS))
+        kl_BT = divergence_per_token(batch, estimator, lambda teacher_NS, student_NS: _kl(student_NS, teacher_NS))
         loss = coef * reduce_tokens(kl_BT, batch, cfg)
         return loss, {"reverse_kl": float(masked_mean(kl_BT.detach(), mask_BT))}
     eps = float(cfg.get("clip_ratio", 0.2))
@@ -336,8 +364,7 @@ def forward_kl(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor,
     ``[N, V]`` rows; returns a scalar. Args: ``estimator`` (auto | topk | full), ``normalize``,
     ``turn_weights``. Metric: ``forward_kl``.
     """
-    teacher_NS, student_NS = teacher_student_distributions(batch, _estimator(batch, cfg, ("topk", "full")))
-    kl_BT = per_token(batch, _kl(teacher_NS, student_NS))
+    kl_BT = divergence_per_token(batch, _estimator(batch, cfg, ("topk", "full")), _kl)
     return reduce_tokens(kl_BT, batch, cfg), {"forward_kl": float(masked_mean(kl_BT.detach(), batch.loss_mask_BT))}
 
 
@@ -357,15 +384,16 @@ def gjsd(batch: TokenBatch, cfg: Mapping[str, Any]) -> tuple[torch.Tensor, dict[
     beta = float(cfg.get("beta", 0.5))
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"gjsd: beta={beta} must lie in [0, 1]")
-    teacher_NS, student_NS = teacher_student_distributions(batch, _estimator(batch, cfg, ("topk", "full")))
-    if beta == 0.0:
-        div_N = _kl(teacher_NS, student_NS)
-    elif beta == 1.0:
-        div_N = _kl(student_NS, teacher_NS)
-    else:
+
+    def divergence(teacher_NS: torch.Tensor, student_NS: torch.Tensor) -> torch.Tensor:
+        if beta == 0.0:
+            return _kl(teacher_NS, student_NS)
+        if beta == 1.0:
+            return _kl(student_NS, teacher_NS)
         mixture_NS = _log_mixture(teacher_NS, student_NS, beta)
-        div_N = beta * _kl(teacher_NS, mixture_NS) + (1 - beta) * _kl(student_NS, mixture_NS)
-    div_BT = per_token(batch, div_N)
+        return beta * _kl(teacher_NS, mixture_NS) + (1 - beta) * _kl(student_NS, mixture_NS)
+
+    div_BT = divergence_per_token(batch, _estimator(batch, cfg, ("topk", "full")), divergence)
     return reduce_tokens(div_BT, batch, cfg), {"gjsd": float(masked_mean(div_BT.detach(), batch.loss_mask_BT))}
 
 

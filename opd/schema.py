@@ -25,7 +25,7 @@ class ConfigError(ValueError):
 
 
 TeacherView = Literal["state_grounded", "full"]
-ScoringMode = Literal["sampled", "topk", "full"]
+ScoringMode = Literal["sampled", "topk", "full", "hidden"]
 SCORING_MODES: tuple[str, ...] = get_args(ScoringMode)
 
 
@@ -76,6 +76,17 @@ class BootstrapConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the student (docs/lora.md): only they train; rank 0 trains every weight."""
+
+    rank: int = 0  # adapter rank r (e.g. 8 to 128); 0: no adapters, a full fine-tune
+    alpha: float = 32.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input while training
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # the linear layers that get
+    # adapters, by last name (q_proj, v_proj...); all-linear: every one but the output head
+
+
+@dataclass
 class ModelConfig:
     """A causal LM named by hub id or local directory, or built by ``bootstrap``."""
 
@@ -88,6 +99,7 @@ class ModelConfig:
     tensor_parallel_size: int = 1  # vllm engine: GPUs one replica's model is split over (its actor's
     # resources.<role>_gpus must hold them)
     bootstrap: Optional[BootstrapConfig] = None  # build a tiny model instead of loading one
+    lora: LoraConfig = field(default_factory=LoraConfig)  # student only: train LoRA adapters, not every weight
 
 
 @dataclass
@@ -122,7 +134,8 @@ class SupervisionConfig:
     """What the teacher sees and what it returns."""
 
     teacher_view: TeacherView = "state_grounded"  # state_grounded: task, executed actions, observations | full: the student's own history
-    scoring: ScoringMode = "sampled"  # sampled (teacher logprob of each student token) | topk | full (whole vocabulary)
+    scoring: ScoringMode = "sampled"  # sampled (teacher logprob of each student token) | topk | full (whole
+    # vocabulary) | hidden (full's distribution, sent as the teacher's final hidden states; its head once per run)
     top_k: int = 20  # ids per position for scoring: topk
     cross_tokenizer: bool = False  # teacher tokenizer differs: re-tokenise text, align spans (sampled only)
     score_batch_size: int = 16  # trajectories per teacher forward
@@ -186,6 +199,9 @@ class TrainerConfig:
     micro_batch_size: int = 32  # sequences per forward/backward; must divide episodes_per_step
     micro_batch_tokens: int = 4096  # cap on a micro-batch's padded tokens (rows x its longest row); 0: no cap
     max_nonfinite_steps: int = 3  # consecutive steps with a NaN/inf loss before the run stops
+    vocab_chunk_tokens: int = 0  # scored tokens whose [chunk, V] log-softmax is held at once (the exact losses
+    # and the student's logprobs go chunk by chunk, recomputed in the backward pass); 0: auto (128 MiB of
+    # float32 rows: 2**25 // V tokens); -1: all at once
 
 
 @dataclass
@@ -314,6 +330,7 @@ BOUNDS: dict[type, dict[str, Bound]] = {
                       "init_layers": Bound(0, 10_000), "dagger_episodes": Bound(0, 10**7),
                       "dagger_temperature": Bound(0, 100)},
     ModelConfig: {"prefix_cache_mb": Bound(0, 10**7), "tensor_parallel_size": Bound(1, 1_024)},
+    LoraConfig: {"rank": Bound(0, 65_536), "alpha": Bound(0, 1e6, low_strict=True), "dropout": Bound(0, 1, high_strict=True)},
     EnvConfig: {"timeout_s": Bound(0, 86_400, low_strict=True), "memory_limit_mb": Bound(0, 10**8),
                 "cpu_time_limit_s": Bound(0, 86_400)},
     RolloutConfig: {"episodes_per_step": _COUNT, "max_new_tokens": _TOKENS, "temperature": Bound(0, 100),
@@ -325,7 +342,8 @@ BOUNDS: dict[type, dict[str, Bound]] = {
     TrainerConfig: {"learning_rate": Bound(0, 1, low_strict=True), "warmup_steps": Bound(0, 10**9),
                     "min_lr_ratio": _PROB, "weight_decay": Bound(0, 100), "adam_beta1": Bound(0, 1, high_strict=True),
                     "adam_beta2": Bound(0, 1, high_strict=True), "grad_clip_norm": Bound(0, 1e6),
-                    "micro_batch_size": _COUNT, "micro_batch_tokens": _CAP, "max_nonfinite_steps": Bound(1, 10**6)},
+                    "micro_batch_size": _COUNT, "micro_batch_tokens": _CAP, "max_nonfinite_steps": Bound(1, 10**6),
+                    "vocab_chunk_tokens": Bound(-1, 10**9)},
     RunConfig: {"total_steps": Bound(1, 10**9), "seed": _SEED, "eval_every_steps": Bound(0, 10**9),
                 "eval_episodes": _COUNT, "save_every_steps": Bound(0, 10**9), "keep_checkpoints": Bound(1, 10_000),
                 "trajectory_every_steps": Bound(0, 10**9), "trajectory_episodes": Bound(1, 100_000),

@@ -150,15 +150,23 @@ class TokenRows:
         out = self.values_NV.new_full(self.shape, self.fill)
         return out.index_put(tuple(self.mask_BT.nonzero().T), self.values_NV)
 
-    def at(self, mask_BT: torch.Tensor) -> torch.Tensor:
+    def index_of(self, mask_BT: torch.Tensor) -> torch.Tensor:
+        """``[M]`` int64: for each of the ``M`` True entries of ``mask_BT`` (same ``[B, T]``, in
+        row-major order), the index of its row in :attr:`values_NV`, -1 where it holds none."""
+        index_BT = torch.full(self.mask_BT.shape, -1, dtype=torch.long, device=self.mask_BT.device)
+        index_BT[self.mask_BT] = torch.arange(int(self.mask_BT.sum()), device=self.mask_BT.device)
+        return index_BT[mask_BT.bool().to(self.mask_BT.device)]
+
+    def at(self, mask_BT: torch.Tensor, part: slice | None = None) -> torch.Tensor:
         """``[M, V]``: the rows of the ``M`` True entries of ``mask_BT`` (same ``[B, T]``), in
-        row-major order; a token that holds no row gets :attr:`fill`."""
+        row-major order; a token that holds no row gets :attr:`fill`. With ``part``, only those
+        of the ``M`` rows (a chunk)."""
         mask_BT = mask_BT.bool().to(self.mask_BT.device)
         if torch.equal(mask_BT, self.mask_BT):
-            return self.values_NV
-        index_BT = torch.full(self.mask_BT.shape, -1, dtype=torch.long, device=self.mask_BT.device)
-        index_BT[self.mask_BT] = torch.arange(self.values_NV.shape[0], device=self.mask_BT.device)
-        index_M = index_BT[mask_BT]
+            return self.values_NV if part is None else self.values_NV[part]
+        index_M = self.index_of(mask_BT)
+        if part is not None:
+            index_M = index_M[part]
         held_M1 = (index_M >= 0)[:, None]
         picked_MV = self.values_NV[index_M.clamp(min=0)] if self.values_NV.shape[0] else \
             self.values_NV.new_zeros(index_M.shape[0], self.values_NV.shape[-1])
@@ -203,6 +211,117 @@ class TokenRows:
 
 
 @dataclass
+class LinearHead:
+    """An output head as a plain linear map, ``hidden @ weight.T + bias`` (``weight`` ``[V, H]``),
+    applied in the weight's dtype and answered in float32: how a teacher's head travels once
+    per run for ``scoring: hidden`` (:class:`HeadRows`)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+    def __call__(self, hidden_MH: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.to(hidden_MH.device)
+        bias = None if self.bias is None else self.bias.to(hidden_MH.device)
+        return torch.nn.functional.linear(hidden_MH.to(weight.dtype), weight, bias).float()
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.weight.shape[1])
+
+
+@dataclass
+class HeadRows:
+    """A log-softmax over the vocabulary at some tokens, kept as the final hidden states there
+    (``[N, H]``, :class:`TokenRows`) and an output head, and computed only when read:
+    ``log_softmax(head(hidden) / temperature)``. It answers as :class:`TokenRows` does (``at``,
+    ``dense``, ``values_NV``...), so a loss reads either alike; the built-in divergences read it a
+    chunk of ``chunk_rows`` rows at a time (:func:`opd.losses.divergence_per_token`), so the
+    ``[N, V]`` rows are never all held at once.
+
+    The student's rows in the trainer are these (with gradient through ``hidden`` and the head),
+    and so are the teacher's under ``scoring: hidden``: its hidden states travel in the batch
+    (``head`` is ``None`` there) and the trainer, which received the teacher's head once,
+    attaches it (:meth:`with_head`).
+
+    Attributes:
+        hidden: ``[N, H]`` rows at the tokens of ``hidden.mask_BT``.
+        head: ``[M, H] -> [M, V]`` float32 logits; ``None`` until attached.
+        temperature: the logits are divided by it before the log-softmax.
+        chunk_rows: rows computed at once by chunked readers (0: all).
+        vocab_size: ``V`` (the head's outputs).
+    """
+
+    hidden: TokenRows
+    head: Any = None
+    temperature: float = 1.0
+    chunk_rows: int = 0
+    vocab_size: int = 0
+    fill: float = 0.0
+
+    @property
+    def mask_BT(self) -> torch.Tensor:
+        return self.hidden.mask_BT
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (*self.mask_BT.shape, self.vocab_size)
+
+    def with_head(self, head, chunk_rows: int | None = None) -> "HeadRows":
+        return replace(self, head=head, chunk_rows=self.chunk_rows if chunk_rows is None else chunk_rows)
+
+    def rows(self, index_M: torch.Tensor | slice) -> torch.Tensor:
+        """``[M, V]`` float32: the log-softmax at rows ``index_M`` of :attr:`hidden`."""
+        if self.head is None:
+            raise ValueError("these rows hold hidden states without their output head (scoring: hidden): the "
+                             "trainer attaches the teacher's head (HeadRows.with_head) before a loss reads them")
+        logits_MV = self.head(self.hidden.values_NV[index_M])
+        return torch.log_softmax(logits_MV.float() / self.temperature, dim=-1)
+
+    @property
+    def values_NV(self) -> torch.Tensor:
+        """All ``[N, V]`` rows at once (what a loss that reads them whole pays)."""
+        return self.rows(slice(None))
+
+    def index_of(self, mask_BT: torch.Tensor) -> torch.Tensor:
+        return self.hidden.index_of(mask_BT)
+
+    def at(self, mask_BT: torch.Tensor, part: slice | None = None) -> torch.Tensor:
+        """As :meth:`TokenRows.at`, computing only the rows asked for."""
+        index_M = self.index_of(mask_BT)
+        if part is not None:
+            index_M = index_M[part]
+        held_M1 = (index_M >= 0)[:, None]
+        picked_MV = self.rows(index_M.clamp(min=0)) if int(self.mask_BT.sum()) else \
+            self.hidden.values_NV.new_zeros(index_M.shape[0], self.vocab_size)
+        return picked_MV if bool(held_M1.all()) else torch.where(held_M1, picked_MV, self.fill)
+
+    def dense(self) -> torch.Tensor:
+        return TokenRows(self.mask_BT, self.values_NV, self.fill).dense()
+
+    def select_rows(self, index: torch.Tensor) -> "HeadRows":
+        return replace(self, hidden=self.hidden.select_rows(index))
+
+    def narrow(self, width: int) -> "HeadRows":
+        return replace(self, hidden=self.hidden.narrow(width))
+
+    def to(self, device) -> "HeadRows":
+        return replace(self, hidden=self.hidden.to(device))
+
+    @staticmethod
+    def concat(parts: list["HeadRows | None"], rows: list[int], width: int) -> "HeadRows":
+        template = next(p for p in parts if p is not None)
+        hidden = TokenRows.concat([None if p is None else p.hidden for p in parts], rows, width)
+        return replace(template, hidden=hidden)
+
+
+Rows = TokenRows | HeadRows
+
+
+@dataclass
 class TokenBatch:
     """A padded batch of student sequences with per-token targets, as the losses see it.
 
@@ -226,13 +345,17 @@ class TokenBatch:
         teacher_tail_logprob_BT: ``topk`` scoring: log of the teacher's mass outside its top-k.
         teacher_full_logprobs_NV: ``full`` scoring: the teacher's log-softmax over the whole
             vocabulary at the scored response tokens, as :class:`TokenRows` (``[N, V]``; a dense
-            view is :attr:`teacher_full_logprobs_BTV`, 0 off those tokens).
+            view is :attr:`teacher_full_logprobs_BTV`, 0 off those tokens); ``hidden`` scoring:
+            the same as :class:`HeadRows` (the teacher's ``[N, H]`` final hidden states, its head
+            attached by the trainer).
         advantage_B: float32 one advantage per sequence (e.g. GRPO's group-relative return,
             :func:`opd.losses.group_advantages`), for :func:`opd.losses.ppo_clip`.
         student_logprobs_NV: the student's float32 log-softmax over the vocabulary, with
             gradient, as :class:`TokenRows`: set by the trainer with ``student_logprobs_BT`` when a
             loss can read it, at the tokens the losses train on (every position when the recipe
             has a user's loss). :attr:`student_logprobs_BTV` is its dense ``[B, T, V]`` view.
+            :class:`HeadRows` instead past ``trainer.vocab_chunk_tokens`` tokens (computed a
+            chunk at a time by the built-in divergences).
         masks_BT: named float32 ``[B, T]`` token masks an algorithm adds beside ``loss_mask_BT``,
             for losses that train on other tokens (:meth:`restricted_to`). PivotOPD's ``pivot``
             (the response tokens of a failed episode's pivotal turn) and ``recovery`` (the
@@ -262,9 +385,9 @@ class TokenBatch:
     teacher_topk_ids_BTK: torch.Tensor | None = None
     teacher_topk_logprobs_BTK: torch.Tensor | None = None
     teacher_tail_logprob_BT: torch.Tensor | None = None
-    teacher_full_logprobs_NV: TokenRows | None = None
+    teacher_full_logprobs_NV: TokenRows | HeadRows | None = None
     advantage_B: torch.Tensor | None = None
-    student_logprobs_NV: TokenRows | None = None
+    student_logprobs_NV: TokenRows | HeadRows | None = None
     masks_BT: dict[str, torch.Tensor] | None = None
     reference_logprobs_BT: torch.Tensor | None = None
     position_ids_BT: torch.Tensor | None = None
@@ -291,7 +414,7 @@ class TokenBatch:
         def apply(value):
             if isinstance(value, torch.Tensor):
                 return fn(value)
-            if isinstance(value, TokenRows):
+            if isinstance(value, (TokenRows, HeadRows)):
                 return rows_fn(value)
             if isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
                 return {k: fn(v) for k, v in value.items()}
@@ -399,7 +522,11 @@ class TokenBatch:
             if f.name == "totals" or all(v is None for v in values):
                 out[f.name] = None
             elif f.name.endswith("_NV"):
-                out[f.name] = TokenRows.concat(values, [len(b) for b in batches], width)
+                kind = type(next(v for v in values if v is not None))
+                if not all(v is None or isinstance(v, kind) for v in values):
+                    raise ValueError(f"TokenBatch.concat: {f.name} is held as rows of logprobs in some batches and "
+                                     "as hidden states in others")
+                out[f.name] = kind.concat(values, [len(b) for b in batches], width)
             elif f.name == "masks_BT":
                 names = list(dict.fromkeys(n for v in values for n in (v or {})))
                 out[f.name] = {n: stack(f.name, [(v or {}).get(n) for v in values]) for n in names}

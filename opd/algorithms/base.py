@@ -69,8 +69,9 @@ class Workers(Protocol):
         the scores of :meth:`score_for_training`, which never pass through the caller."""
 
     def sync_weights(self) -> dict[str, float]:
-        """The trainer's weights into the student's rollout engine; ``weight_sync_s`` (end to end)
-        and ``weight_load_s`` (the copy inside the rollout worker)."""
+        """The trainer's weights into the student's rollout engine; ``weight_sync_s`` (end to end),
+        ``weight_load_s`` (the copy inside the rollout worker) and ``weight_sync_mb`` (what one
+        replica received: the model, or a LoRA student's adapters)."""
 
     def collect_later(self, who: Role, env_factory: EnvFactory, tasks: list[str], settings: EpisodeSettings,
                       seed: int) -> Pending:

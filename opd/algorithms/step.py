@@ -125,12 +125,15 @@ def train_and_sync(ctx: RunContext, batch: TokenBatch | BatchPlan, clock: StepCl
     """Train on ``batch``, or on the batch a :class:`BatchPlan` builds next to the trainer
     (timed as the ``training`` phase from the clock's last lap, so building the batch counts),
     then sync the weights to the rollout engine (``weight_sync``). Returns the trainer's
-    metrics, without its own inner timings."""
+    metrics, without its own inner timings, and ``weight_sync_mb`` (what a rollout replica
+    received: the model, or a LoRA student's adapters)."""
     train_metrics = ctx.workers.train_built(batch) if isinstance(batch, BatchPlan) else ctx.workers.train(batch)
     clock.lap("training")
-    clock.record("weight_sync", ctx.workers.sync_weights()["weight_sync_s"])
+    synced = ctx.workers.sync_weights()
+    clock.record("weight_sync", synced["weight_sync_s"])
     ctx.rollouts.updates += 1
-    return {k: v for k, v in train_metrics.items() if not k.startswith("time/")}
+    return {**{k: v for k, v in train_metrics.items() if not k.startswith("time/")},
+            "weight_sync_mb": synced.get("weight_sync_mb", 0.0)}
 
 
 def episode_metrics(trajs: list[Trajectory], gen: dict[str, float], group_size: int = 1) -> dict[str, float]:

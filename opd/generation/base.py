@@ -100,6 +100,9 @@ class TokenScores:
         topk_ids, topk_logprobs: ``[N, K]`` the ``K`` most likely ids and their logprobs (``topk``).
         tail_logprob: ``[N]`` log of the mass outside the top-k (``topk``; ``-inf`` if none).
         full_logprobs: ``[N, V]`` the log-softmax over the vocabulary (``full``).
+        hidden: ``[N, H]`` the final hidden states that predict the targets (``hidden``): the
+            LM head's input, from which the trainer computes ``full``'s distribution with the
+            teacher's head (sent once per run, :meth:`opd.generation.hf.HFEngine.output_head`).
     """
 
     logprobs: list[float]
@@ -107,10 +110,24 @@ class TokenScores:
     topk_logprobs: torch.Tensor | None = None
     tail_logprob: torch.Tensor | None = None
     full_logprobs: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+    @staticmethod
+    def concat(parts: list["TokenScores"]) -> "TokenScores":
+        """The scores of consecutive targets, joined (each part with the same fields)."""
+        if len(parts) == 1:
+            return parts[0]
+
+        def cat(name: str) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in parts]
+            return None if values[0] is None else torch.cat(values)
+
+        return TokenScores([x for p in parts for x in p.logprobs], cat("topk_ids"), cat("topk_logprobs"),
+                           cat("tail_logprob"), cat("full_logprobs"), cat("hidden"))
 
     def nbytes(self) -> int:
         """Size of the payload that crosses to the trainer."""
-        tensors = (self.topk_ids, self.topk_logprobs, self.tail_logprob, self.full_logprobs)
+        tensors = (self.topk_ids, self.topk_logprobs, self.tail_logprob, self.full_logprobs, self.hidden)
         return 4 * len(self.logprobs) + sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 

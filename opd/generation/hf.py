@@ -24,9 +24,9 @@ from transformers import DynamicCache
 from opd.generation.base import Completion, SamplingParams, ScoreRequest, TokenScores, scores_from_logprobs
 from opd.generation.hf_stream import HFStream
 from opd.generation.kv_cache import PrefixCache, kv_cache, kv_layers, pad_columns
-from opd.generation.packed import causal_forward, head_logits_at, packed_forward
+from opd.generation.packed import causal_forward, head_hidden_at, packed_forward
 from opd.models import load_model, load_tokenizer
-from opd.trajectory import length_groups
+from opd.trajectory import LinearHead, length_groups
 
 
 class HFEngine:
@@ -253,25 +253,54 @@ class HFEngine:
         source_N = torch.cat([torch.tensor(r.source_index, dtype=torch.long) for r in requests])
         # No branches (single-turn rows, the full view): one causal forward, no packed layout.
         layout = (None, None) if plain else (pos_BL, branch_BL)
-        logits_NV = head_logits_at(self.model, ids_BL, valid_BL, rows_N.to(self.device), source_N.to(self.device),
-                                   *layout)
-        if logits_NV is None:  # a head that is not a plain linear map: every position's logits
+        found = head_hidden_at(self.model, ids_BL, valid_BL, rows_N.to(self.device), source_N.to(self.device),
+                               *layout)
+        if found is None:  # a head that is not a plain linear map: every position's logits
+            if mode == "hidden":
+                raise ValueError(f"scoring: hidden needs a teacher whose LM head is a plain linear map of its last "
+                                 f"hidden state; {type(self.model).__name__}'s is not (soft-capped or scaled logits): "
+                                 "use supervision.scoring: full")
             logits_BLV = (causal_forward(self.model, ids_BL, valid_BL) if plain
                           else packed_forward(self.model, ids_BL, pos_BL, branch_BL, valid_BL))
             logits_NV = logits_BLV[rows_N.to(self.device), source_N.to(self.device)]
+            hidden_NH, head, vocab_size = logits_NV, (lambda x: x), logits_NV.shape[-1]
+        else:
+            hidden_NH, head, vocab_size = found
+        # The LM head and the log-softmax a chunk of rows at a time (128 MiB of float32 rows): the
+        # teacher never holds [N, V] for a whole forward's N, only what the mode returns.
+        chunk = max(1, 2**25 // vocab_size)
         results, start = [], 0
         for i, r in enumerate(requests):
             n = len(r.source_index)
-            target = ids_BL[i, r.target_index]
-            logp_NV = torch.log_softmax(logits_NV[start : start + n].float(), dim=-1)
+            hidden = hidden_NH[start : start + n]
+            target_N = ids_BL[i, r.target_index]
             start += n
-            results.append(scores_from_logprobs(logp_NV, target, mode, top_k))
+            parts = [scores_from_logprobs(torch.log_softmax(head(hidden[c : c + chunk]).float(), dim=-1),
+                                          target_N[c : c + chunk], "sampled" if mode == "hidden" else mode, top_k)
+                     for c in range(0, max(n, 1), chunk)]  # an empty request still answers
+            scores = TokenScores.concat(parts)
+            if mode == "hidden":  # full's distribution as the head's input, in the model's dtype
+                scores.hidden = hidden.detach().cpu()
+            results.append(scores)
         return results
 
+    def output_head(self) -> LinearHead:
+        """The LM head as :class:`~opd.trajectory.LinearHead` (a CPU copy): what turns the final
+        hidden states of ``scoring: hidden`` into logits, sent to the trainer once per run."""
+        head = self.model.get_output_embeddings()
+        if not isinstance(head, torch.nn.Linear):
+            raise ValueError(f"scoring: hidden needs an LM head that is a linear layer; {type(self.model).__name__}'s "
+                             f"is a {type(head).__name__}: use supervision.scoring: full")
+        bias = None if head.bias is None else head.bias.detach().cpu().clone()
+        return LinearHead(head.weight.detach().cpu().clone(), bias)
+
     # -- weights ----------------------------------------------------------------------------
+    partial_updates = True  # update_weights takes any subset of the weights (a LoRA student's adapted layers)
+
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy new weights into the live model in place (same shapes, no reallocation)."""
+        """Copy new weights into the live model in place (same shapes, no reallocation); the
+        weights not named keep their values."""
         # keep_vars: the live tensors, with tied weights (lm_head / embeddings) under both names.
         params = self.model.state_dict(keep_vars=True)
         missing = [name for name in state_dict if name not in params]

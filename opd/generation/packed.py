@@ -37,6 +37,7 @@ import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -188,7 +189,7 @@ class FinalHiddenStates:
     """The model as :mod:`opd.generation.packed`'s forwards call it, answering with the final
     hidden states (the LM head's input, after the last norm) in place of the logits: the LM head
     runs at one position only (``logits_to_keep=1``), whose logits check that the head is the
-    plain linear map :func:`head_logits_at` applies (no soft-capping or scaling after it)."""
+    plain linear map :func:`head_hidden_at` hands out (no soft-capping or scaling after it)."""
 
     def __init__(self, model):
         self.model = model  # the DeepSpeed engine or the HF model: the call goes through its forward
@@ -221,15 +222,14 @@ class FinalHiddenStates:
         return SimpleNamespace(logits=hidden_BLH if self.ok else placeholder_BL1)
 
 
-def head_logits_at(model, input_ids_BL: torch.Tensor, valid_BL: torch.Tensor, rows_N: torch.Tensor,
+def head_hidden_at(model, input_ids_BL: torch.Tensor, valid_BL: torch.Tensor, rows_N: torch.Tensor,
                    columns_N: torch.Tensor, position_ids_BL: torch.Tensor | None = None,
-                   branch_BL: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``[N, V]`` logits at the ``N`` positions ``(rows_N, columns_N)`` of a forward over the
-    rows (plain, or packed when ``branch_BL`` is given): the transformer runs on every token,
-    the LM head only at those positions, so a large vocabulary costs ``[N, V]``, not
-    ``[B, L, V]``. ``None`` when the model's head is not a plain linear map of the decoder's
-    output (soft-capped or scaled logits): the caller computes every position instead.
-    """
+                   branch_BL: torch.Tensor | None = None) -> tuple[torch.Tensor, Callable, int] | None:
+    """The final hidden states ``[N, H]`` at the ``N`` positions ``(rows_N, columns_N)`` of a
+    forward over the rows (plain, or packed when ``branch_BL`` is given), the LM head as a
+    function of them (``[M, H] -> [M, V]`` logits, in the engine's autocast) and ``V``. ``None``
+    when the model's head is not a plain linear map of the decoder's output (soft-capped or
+    scaled logits): the caller computes every position instead."""
     stand_in = FinalHiddenStates(model)
     if branch_BL is None:
         hidden_BLH = causal_forward(stand_in, input_ids_BL, valid_BL)
@@ -237,5 +237,9 @@ def head_logits_at(model, input_ids_BL: torch.Tensor, valid_BL: torch.Tensor, ro
         hidden_BLH = packed_forward(stand_in, input_ids_BL, position_ids_BL, branch_BL, valid_BL.bool())
     if not stand_in.ok:
         return None
-    with stand_in.autocast():
-        return stand_in.head(hidden_BLH[rows_N, columns_N])
+
+    def head(hidden_MH: torch.Tensor) -> torch.Tensor:
+        with stand_in.autocast():
+            return stand_in.head(hidden_MH)
+
+    return hidden_BLH[rows_N, columns_N], head, int(stand_in.head.out_features)

@@ -68,6 +68,11 @@ def unpack_branches(request: ScoreRequest) -> tuple[list[list[int]], list[tuple[
     return sequences, [where[t] for t in request.target_index]
 
 
+# What prompt logprobs cannot carry: the scoring modes that need the HF engine.
+VLLM_CANNOT = {"full": "full distributions (its prompt logprobs stop at top-k)",
+               "hidden": "final hidden states beside a generating model's prompt logprobs"}
+
+
 class VLLMEngine:
     """One causal LM in vLLM behind the engine contract (see :mod:`opd.generation.base`)."""
 
@@ -124,9 +129,9 @@ class VLLMEngine:
               top_k: int = 0, batch_tokens: int = 0) -> list[TokenScores]:
         """Scores of each request's targets at temperature 1 (prompt logprobs). vLLM's scheduler
         batches them itself: ``batch_size`` and ``batch_tokens`` are the HF engine's."""
-        if mode == "full":
-            raise ValueError("the vllm engine cannot return full distributions (scoring: full); "
-                             "use engine: hf for a teacher colocated with the trainer, or scoring: topk")
+        if mode in ("full", "hidden"):
+            raise ValueError(f"the vllm engine cannot return {VLLM_CANNOT[mode]} (scoring: {mode}); use teacher.engine: "
+                             "hf, or supervision.scoring: topk")
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 

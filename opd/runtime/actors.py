@@ -188,7 +188,8 @@ class RayWorkers:
         loads = self._await([r.update_weights.remote(refs[0]) for r in self.rollouts], "rollout", "update_weights")
         if len(refs) > 1:
             self._await(refs[1:], "trainer", "export_weights")
-        return {"weight_sync_s": time.perf_counter() - start, "weight_load_s": max(loads)}
+        return {"weight_sync_s": time.perf_counter() - start, "weight_load_s": max(load["seconds"] for load in loads),
+                "weight_sync_mb": loads[0]["bytes"] / 2**20}
 
     def run(self, who: Role, fn: Callable[..., Any], *args: Any) -> Any:
         role, hosts = self._hosts(who)
@@ -290,8 +291,13 @@ def spawn_workers(cfg: OPDConfig, student_path: str, teacher_path: str) -> RayWo
                              .remote(one_node), timeout=res.actor_timeout_s)
     trainers = [start(StudentTrainer, "trainer", r, specs.trainer, rank=r, world_size=ranks, rendezvous=rendezvous)
                 for r in range(ranks)]
-    return RayWorkers(teachers=teachers, rollouts=rollouts, trainers=trainers, timeout_s=res.actor_timeout_s,
-                      groups=groups, gathered_export=ranks > 1 and int(cfg.trainer.zero_stage) == 3)
+    workers = RayWorkers(teachers=teachers, rollouts=rollouts, trainers=trainers, timeout_s=res.actor_timeout_s,
+                         groups=groups, gathered_export=ranks > 1 and int(cfg.trainer.zero_stage) == 3)
+    if cfg.supervision.scoring == "hidden":
+        # The teacher's head goes once, through the object store, to every rank (not the driver).
+        head = teachers[0].output_head.remote()
+        workers._await([t.set_teacher_head.remote(head) for t in trainers], "trainer", "set_teacher_head")
+    return workers
 
 
 def role_counts(resources: ResourcesConfig) -> dict[str, int]:

@@ -264,6 +264,13 @@ class TrainingRun:
         and tokenizers, which must match unless ``supervision.cross_tokenizer`` aligns them."""
         cfg = self.cfg
         student_path = resolve_model_path(cfg.student, cfg.env, cfg.run.seed + 1, self.log)
+        if cfg.student.lora.rank > 0:
+            from opd.training.lora import check_model_dir
+
+            try:
+                check_model_dir(student_path, list(cfg.student.lora.target_modules), bool(cfg.student.trust_remote_code))
+            except ValueError as exc:
+                raise ConfigError(f"{exc} (the student at {student_path})") from None
         teacher_path = resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, self.log)
         tokenizers = {"student": load_tokenizer(student_path, cfg.student.trust_remote_code),
                       "teacher": load_tokenizer(teacher_path, cfg.teacher.trust_remote_code)}

@@ -104,8 +104,9 @@ class LocalWorkers:
         """Trainer -> rollout engine: the exported weights, copied into the live model in place."""
         start = time.perf_counter()
         weights = self._call("trainer", "export_weights", self.trainer.export_weights)
-        load_s = self._call("rollout", "update_weights", self.rollout.update_weights, weights)
-        return {"weight_sync_s": time.perf_counter() - start, "weight_load_s": load_s}
+        load = self._call("rollout", "update_weights", self.rollout.update_weights, weights)
+        return {"weight_sync_s": time.perf_counter() - start, "weight_load_s": load["seconds"],
+                "weight_sync_mb": load["bytes"] / 2**20}
 
     def run(self, who: Role, fn: Callable[..., Any], *args: Any) -> Any:
         role, host = self._host(who)
@@ -150,4 +151,7 @@ def spawn_local_workers(cfg: OPDConfig, student_path: str, teacher_path: str) ->
     # the same count again, as it does in its own actor).
     torch.set_num_threads(specs.threads)
     teacher_worker, rollout_worker = TeacherWorker(specs.teacher), RolloutWorker(specs.rollout)
-    return LocalWorkers(teacher=teacher_worker, rollout=rollout_worker, trainer=StudentTrainer(specs.trainer))
+    trainer = StudentTrainer(specs.trainer)
+    if cfg.supervision.scoring == "hidden":
+        trainer.set_teacher_head(teacher_worker.output_head())
+    return LocalWorkers(teacher=teacher_worker, rollout=rollout_worker, trainer=trainer)

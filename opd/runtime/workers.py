@@ -101,7 +101,8 @@ def role_specs(cfg: OPDConfig, student_path: str, teacher_path: str) -> RoleSpec
         trainer=TrainerSpec(trainer=cfg.trainer, loss_terms=loss_terms, model_dir=student_path,
                             episodes_per_step=cfg.rollout.episodes_per_step, dtype=str(cfg.student.dtype),
                             trust_remote_code=bool(cfg.student.trust_remote_code), torch_threads=threads,
-                            total_steps=cfg.run.total_steps, temperature=cfg.rollout.temperature))
+                            total_steps=cfg.run.total_steps, temperature=cfg.rollout.temperature,
+                            lora=cfg.student.lora if cfg.student.lora.rank > 0 else None))
 
 
 def set_threads(n: int) -> None:
@@ -123,6 +124,8 @@ class PolicyWorker:
 
         self.engine = make_engine(spec.engine, spec.path, spec.dtype, spec.trust_remote_code, spec.prefix_cache_mb,
                                   spec.tensor_parallel_size)
+        self.path = spec.path
+        self.merger = None  # a LoRA student's starting weights, for its adapters' updates
         self.tokenizer = load_tokenizer(spec.path, spec.trust_remote_code)
         self.fmt = ChatFormat.from_tokenizer(self.tokenizer)
         self._pool = None
@@ -200,6 +203,13 @@ class TeacherWorker(PolicyWorker):
         return score_trajectories(self.engine, trajs, supervision.teacher_view, self.fmt, supervision.score_batch_size,
                                   supervision.scoring, supervision.top_k, supervision.score_batch_tokens)
 
+    def output_head(self):
+        """The teacher's LM head (``scoring: hidden``), :meth:`opd.generation.hf.HFEngine.output_head`."""
+        if not hasattr(self.engine, "output_head"):
+            raise ValueError(f"supervision.scoring: hidden needs the teacher on the hf engine; it runs on "
+                             f"{type(self.engine).__name__}")
+        return self.engine.output_head()
+
     def score_split(self, trajs: list[Trajectory],
                     supervision: SupervisionConfig) -> tuple[list[TokenScores], tuple[list[TokenScores], int]]:
         """:meth:`score`, and beside it the light part for the driver: each trajectory's scores
@@ -212,10 +222,23 @@ class TeacherWorker(PolicyWorker):
 class RolloutWorker(PolicyWorker):
     """The student's inference engine: plays episodes and takes the trainer's weights."""
 
-    def update_weights(self, state_dict) -> float:
+    def update_weights(self, state_dict) -> dict[str, float]:
+        """Load the trainer's weights: a state dict, or a LoRA student's adapters
+        (:class:`opd.training.lora.LoraUpdate`), merged here into the starting weights of the
+        layers they adapt and loaded as those layers' weights. Returns the seconds it took and
+        the bytes it received (a tensor tied under two names counted once)."""
         start = time.perf_counter()
+        if isinstance(state_dict, dict):
+            received = sum(t.numel() * t.element_size() for t in {id(t): t for t in state_dict.values()}.values())
+        else:  # a LoraUpdate
+            from opd.training.lora import LoraMerger
+
+            received = state_dict.nbytes()
+            if self.merger is None:
+                self.merger = LoraMerger(self.path)
+            state_dict = self.merger.merged(state_dict, whole=not getattr(self.engine, "partial_updates", False))
         self.engine.update_weights(state_dict)
-        return time.perf_counter() - start
+        return {"seconds": time.perf_counter() - start, "bytes": float(received)}
 
     def state_dict(self):
         return self.engine.state_dict()

@@ -28,7 +28,7 @@ import torch
 
 from opd.chat import ChatFormat, render_context
 from opd.generation.base import ScoreRequest, TokenScores
-from opd.trajectory import TokenBatch, TokenRows, Trajectory
+from opd.trajectory import HeadRows, TokenBatch, TokenRows, Trajectory
 
 
 def pack_trajectory(traj: Trajectory, view: str, fmt: ChatFormat) -> ScoreRequest:
@@ -118,7 +118,8 @@ def with_teacher_scores(batch: TokenBatch, positions: list[list[int]], scores: l
     """``batch`` with the teacher's scores of row ``b`` on its tokens ``positions[b]`` (the k-th
     score on the k-th position): ``teacher_logprobs_BT`` always, and, where the scores carry them,
     ``topk``'s ids, logprobs and tail mass (``-inf`` / 0 elsewhere) and ``full``'s distribution
-    (as :class:`~opd.trajectory.TokenRows`, ``[N, V]`` at those tokens).
+    (as :class:`~opd.trajectory.TokenRows`, ``[N, V]`` at those tokens), or ``hidden``'s final
+    hidden states in its place (as :class:`~opd.trajectory.HeadRows` without their head).
 
     Shapes: ``positions[b]`` has ``len(scores[b].logprobs)`` entries, indices into ``[0, T)``.
     """
@@ -142,10 +143,26 @@ def with_teacher_scores(batch: TokenBatch, positions: list[list[int]], scores: l
         mask_BT = torch.zeros(B, T, dtype=torch.bool)
         rows = []
         for b, (index, score) in enumerate(zip(positions, scores)):
-            order = sorted(range(len(index)), key=index.__getitem__)
             mask_BT[b, index] = True
-            rows.append(score.full_logprobs[order])
+            rows.append(_in_token_order(score.full_logprobs, index))
         if int(mask_BT.sum()) != sum(len(index) for index in positions):
             raise ValueError("with_teacher_scores: a row's positions repeat a token")
         fields["teacher_full_logprobs_NV"] = TokenRows(mask_BT, torch.cat(rows))
+    if scores and scores[0].hidden is not None:
+        # scoring: hidden: the same rows as the final hidden states, [N, H]; the trainer holds the head.
+        mask_BT = torch.zeros(B, T, dtype=torch.bool)
+        rows = []
+        for b, (index, score) in enumerate(zip(positions, scores)):
+            mask_BT[b, index] = True
+            rows.append(_in_token_order(score.hidden, index))
+        fields["teacher_full_logprobs_NV"] = HeadRows(TokenRows(mask_BT, torch.cat(rows)))
     return replace(batch, **fields)
+
+
+def _in_token_order(rows_N: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """``rows_N`` (one per position of ``index``) in the order of their positions; the rows
+    themselves (no copy) when they already are, as a trajectory's scores usually are."""
+    if all(a < b for a, b in zip(index, index[1:])):
+        return rows_N
+    return rows_N[sorted(range(len(index)), key=index.__getitem__)]
+

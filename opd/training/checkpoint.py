@@ -255,8 +255,10 @@ def export_model(run_dir: Path, out: Path, step: int | None = None) -> tuple[int
     """Copy checkpoint ``step`` (default: the newest that verifies) of ``run_dir`` out as a
     standard Hugging Face model directory ``out``: safetensors weights (gathered from the ZeRO
     shards when the checkpoint was saved), config, generation config, tokenizer and chat
-    template. The checkpoint is verified against its recorded hashes first; ``out`` appears whole
-    (written under a partial name, then renamed). Returns the step and the files written.
+    template; for a LoRA student that is the merged model, and ``out/adapter`` holds the adapters
+    alone (``peft``'s directory: ``PeftModel.from_pretrained(base, out / "adapter")``). The
+    checkpoint is verified against its recorded hashes first; ``out`` appears whole (written under
+    a partial name, then renamed). Returns the step and the files written.
 
     Raises:
         CheckpointError: no such checkpoint, one that does not verify, an export missing a file,
@@ -287,6 +289,8 @@ def export_model(run_dir: Path, out: Path, step: int | None = None) -> tuple[int
     partial = out.with_name(f".partial-{out.name}")
     shutil.rmtree(partial, ignore_errors=True)
     shutil.copytree(source, partial)
+    if (path / "adapter").is_dir():  # a LoRA student's adapters (opd.training.lora.ADAPTER_DIR)
+        shutil.copytree(path / "adapter", partial / "adapter")
     if out.exists():
         out.rmdir()  # empty, checked above
     os.replace(partial, out)

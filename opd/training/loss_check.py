@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import torch
 
 from opd.losses import LossError, combined_loss, loss_traits, resolve_loss
-from opd.trajectory import TokenBatch, TokenRows
+from opd.trajectory import HeadRows, LinearHead, TokenBatch, TokenRows
 
 __all__ = ["check_losses", "probe_batch"]
 
@@ -61,6 +61,11 @@ def probe_batch(vocab_size: int, terms: list[tuple[str, float, Mapping[str, Any]
         batch.teacher_tail_logprob_BT = torch.where(trained_BT, tail_BT, 0.0)
     elif scoring == "full":
         batch.teacher_full_logprobs_NV = TokenRows(trained_BT, teacher_BTV[trained_BT])
+    elif scoring == "hidden":  # as the trainer hands them over: hidden states with the teacher's head attached
+        H = 8
+        head = LinearHead(torch.randn(V, H, generator=gen))
+        hidden = TokenRows(trained_BT, torch.randn(int(trained_BT.sum()), H, generator=gen))
+        batch.teacher_full_logprobs_NV = HeadRows(hidden, head, vocab_size=V)
     masks = {trait for name, _, _ in terms if (trait := loss_traits(name)["token_mask"])}
     if algorithm == "pivot_opd":
         masks |= {"pivot", "recovery"}

@@ -103,12 +103,17 @@ class TorchEngine:
         return [group["lr"] for group in self.optimizer.param_groups]
 
     # -- checkpoints -------------------------------------------------------------------------
-    def save_checkpoint(self, directory: str, tag: str, client_state: dict[str, Any]) -> None:
-        """``directory/tag/``: the weights and the optimizer's tensors as safetensors, the rest as
-        JSON (the caller makes the checkpoint's appearance atomic)."""
+    def save_checkpoint(self, directory: str, tag: str, client_state: dict[str, Any],
+                        exclude_frozen_parameters: bool = False) -> None:
+        """``directory/tag/``: the weights (the trained ones only, with
+        ``exclude_frozen_parameters``, as DeepSpeed's flag of that name) and the optimizer's
+        tensors as safetensors, the rest as JSON (the caller makes the checkpoint's appearance
+        atomic)."""
         out = Path(directory) / tag
         out.mkdir(parents=True, exist_ok=True)
-        weights = {k: v.detach().contiguous() for k, v in self.module.state_dict().items()}
+        frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad} \
+            if exclude_frozen_parameters else set()
+        weights = {k: v.detach().contiguous() for k, v in self.module.state_dict().items() if k not in frozen}
         save_file(_untied(weights), str(out / "model.safetensors"))
         tensors, scalars = _split_optimizer_state(self.optimizer.state_dict())
         save_file(tensors, str(out / "optimizer.safetensors"))
@@ -124,7 +129,9 @@ class TorchEngine:
         state = json.loads((src / "state.json").read_text())
         weights = load_file(str(src / "model.safetensors"), device=str(self.device))
         missing, unexpected = self.module.load_state_dict(weights, strict=False)
-        missing = [k for k in missing if k not in _aliases(self.module.state_dict())]
+        # A tied head's second name, and the frozen weights a LoRA checkpoint leaves out.
+        frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
+        missing = [k for k in missing if k not in _aliases(self.module.state_dict()) and k not in frozen]
         if missing or unexpected:
             raise ValueError(f"{src / 'model.safetensors'}: weights do not match the model "
                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")

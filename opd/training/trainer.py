@@ -43,15 +43,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from opd.generation.base import TokenScores
-from opd.generation.packed import causal_forward, head_logits_at, packed_forward
+from opd.generation.packed import causal_forward, head_hidden_at, packed_forward
 from opd.losses import combined_loss, needs_reference, resolve_loss
 from opd.models import cpu_copy, load_model, load_tokenizer, save_model
 from opd.schema import TrainerConfig
+from opd.training import lora
 from opd.training.checkpoint import CheckpointError, check_pickles, safe_torch_load
 from opd.training.torch_engine import TorchEngine, grad_norm
-from opd.trajectory import TokenBatch, TokenRows
+from opd.trajectory import HeadRows, LinearHead, TokenBatch, TokenRows
 
 log = logging.getLogger(__name__)
 _WARNED: set[str] = set()  # model classes already warned about (once each)
@@ -153,15 +155,18 @@ def student_logprobs(model, batch: TokenBatch, temperature: float = 1.0) -> tupl
 
 
 def student_logprobs_at(model, batch: TokenBatch, positions_BT: torch.Tensor, temperature: float = 1.0,
-                        full_vocab: bool = False) -> tuple[torch.Tensor, TokenRows | None]:
+                        full_vocab: bool = False, chunk_rows: int = 0) -> tuple[torch.Tensor, TokenRows | HeadRows | None]:
     """:func:`student_logprobs` at ``positions_BT`` (bool ``[B, T]``) only: ``[B, T]``, equal to
     its values there and 0 elsewhere (where they carry no gradient), and, with ``full_vocab``, the
-    distribution over the vocabulary at those positions as :class:`~opd.trajectory.TokenRows`
-    (``[N, V]``; else ``None``).
+    distribution over the vocabulary at those positions (``[N, V]``; else ``None``).
 
     The transformer runs on every token (each position's hidden state feeds the later ones), but
     the LM head and the log-softmax over the vocabulary only on the ``N`` hidden states that
-    predict a selected token: ``[N, V]`` in place of ``[B, T, V]``, forward and backward. A model
+    predict a selected token: ``[N, V]`` in place of ``[B, T, V]``, forward and backward. With
+    ``chunk_rows`` > 0 and more than that many positions, not even ``[N, V]``: the logprobs are
+    computed ``chunk_rows`` positions at a time and recomputed in the backward pass, and the
+    distribution is :class:`~opd.trajectory.HeadRows` (the hidden states and the head, read chunk
+    by chunk by the built-in losses) in place of :class:`~opd.trajectory.TokenRows`. A model
     whose head is not a plain linear map of the decoder's output (soft-capped or scaled logits)
     falls back to :func:`student_logprobs`, with a warning.
     """
@@ -169,9 +174,9 @@ def student_logprobs_at(model, batch: TokenBatch, positions_BT: torch.Tensor, te
     positions_BT[:, 0] = False  # nothing predicts the first token
     # A trained token's predictor is the position just before it in the row (packed rows too).
     b_N, t_N = positions_BT.nonzero(as_tuple=True)
-    logits_NV = head_logits_at(model, batch.input_ids_BT, batch.attention_mask_BT, b_N, t_N - 1,
-                               batch.position_ids_BT, batch.branch_ids_BT)
-    if logits_NV is None:
+    found = head_hidden_at(model, batch.input_ids_BT, batch.attention_mask_BT, b_N, t_N - 1,
+                           batch.position_ids_BT, batch.branch_ids_BT)
+    if found is None:
         name = type(getattr(model, "module", model)).__name__
         if name not in _WARNED:
             _WARNED.add(name)
@@ -180,12 +185,36 @@ def student_logprobs_at(model, batch: TokenBatch, positions_BT: torch.Tensor, te
         picked_BT, full_BTV = student_logprobs(model, batch, temperature)
         picked_BT = torch.where(positions_BT, picked_BT, 0.0)
         return picked_BT, TokenRows.from_dense(full_BTV, positions_BT) if full_vocab else None
-    logp_NV = torch.log_softmax(logits_NV.float() / temperature, dim=-1)
-    picked_N = logp_NV.gather(1, batch.input_ids_BT[b_N, t_N][:, None]).squeeze(1)
-    picked_BT = logp_NV.new_zeros(positions_BT.shape).index_put((b_N, t_N), picked_N)
-    if not full_vocab:
-        return picked_BT, None
-    return picked_BT, TokenRows(positions_BT, logp_NV)
+    hidden_NH, head, vocab_size = found
+    target_N = batch.input_ids_BT[b_N, t_N]
+    n = int(hidden_NH.shape[0])
+    if chunk_rows <= 0 or n <= chunk_rows:
+        logp_NV = torch.log_softmax(head(hidden_NH).float() / temperature, dim=-1)
+        picked_N = logp_NV.gather(1, target_N[:, None]).squeeze(1)
+        rows = TokenRows(positions_BT, logp_NV) if full_vocab else None
+    else:
+        lazy = HeadRows(TokenRows(positions_BT, hidden_NH), head, temperature, chunk_rows, vocab_size)
+
+        def picked(start: int) -> torch.Tensor:  # run again in the backward pass (checkpoint)
+            part = slice(start, start + chunk_rows)
+            return lazy.rows(part).gather(1, target_N[part, None]).squeeze(1)
+
+        picked_N = torch.cat([checkpoint(picked, start, use_reentrant=False) for start in range(0, n, chunk_rows)])
+        rows = lazy if full_vocab else None
+    return picked_N.new_zeros(positions_BT.shape).index_put((b_N, t_N), picked_N), rows
+
+
+def vocab_chunk_rows(setting: int, vocab_size: int) -> int:
+    """Scored tokens per chunk of the exact losses (``trainer.vocab_chunk_tokens``): the setting,
+    or for 0 as many as make 128 MiB of float32 ``[chunk, V]`` rows; 0 (no chunks) for -1.
+
+    Example:
+        >>> vocab_chunk_rows(0, 151_936), vocab_chunk_rows(512, 151_936), vocab_chunk_rows(-1, 151_936)
+        (220, 512, 0)
+    """
+    if setting < 0:
+        return 0
+    return int(setting) if setting > 0 else max(1, 2**25 // max(1, int(vocab_size)))
 
 
 def trained_positions_BT(batch: TokenBatch) -> torch.Tensor:
@@ -324,6 +353,8 @@ class TrainerSpec:
         torch_threads: torch's intra-op threads in the trainer's process (0: every core).
         total_steps: ``run.total_steps``, the learning-rate schedule's length.
         temperature: ``rollout.temperature``; the trained policy is softmax(logits / temperature).
+        lora: ``student.lora`` (:class:`opd.schema.LoraConfig`); with a rank above 0 the trainer
+            trains LoRA adapters only (:mod:`opd.training.lora`).
     """
 
     trainer: TrainerConfig
@@ -335,6 +366,7 @@ class TrainerSpec:
     torch_threads: int = 0
     total_steps: int = 1
     temperature: float = 1.0
+    lora: Any = None  # the student's LoraConfig (student.lora): adapters only train when its rank is > 0
 
 
 class StudentTrainer:
@@ -362,7 +394,11 @@ class StudentTrainer:
         # The torch engine keeps float32 weights and runs bfloat16 under autocast (see its module).
         weights_dtype = "float32" if self.engine_kind == "torch" else dtype
         model = load_model(model_dir, dtype=weights_dtype, trust_remote_code=trust_remote_code).train()
-        optimizer = adamw(list(model.parameters()), lr=float(trainer_cfg.learning_rate),
+        self.model_dir = model_dir
+        self.lora = spec.lora if spec.lora is not None and int(spec.lora.rank) > 0 else None
+        if self.lora is not None:  # only the adapters train, and only they are in the optimizer
+            model = lora.wrap(model, self.lora)
+        optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr=float(trainer_cfg.learning_rate),
                           betas=(float(trainer_cfg.adam_beta1), float(trainer_cfg.adam_beta2)),
                           weight_decay=float(trainer_cfg.weight_decay))
         # The scheduler lives in the engine's checkpoint, so a resumed run continues its schedule.
@@ -374,8 +410,9 @@ class StudentTrainer:
                         "(docs/performance.md)")
         # A loss anchored to the starting weights (reference_kl) gets their logprobs from a
         # frozen copy; a resumed run still loads the starting weights here, not the checkpoint's.
+        # A LoRA student's starting weights are its own with the adapters off: no copy.
         self.reference = None
-        if needs_reference(loss_terms):
+        if needs_reference(loss_terms) and self.lora is None:
             self.reference = load_model(model_dir, dtype=dtype, trust_remote_code=trust_remote_code).eval()
             self.reference.requires_grad_(False)
         accumulation_steps = max(1, spec.episodes_per_step // (self.micro_batch_size * self.world_size))
@@ -393,6 +430,10 @@ class StudentTrainer:
         if self.reference is not None:
             self.reference.to(self.engine.device)
         self.gather_logprobs = reads_trained_positions_only(loss_terms)
+        head = model.get_output_embeddings()
+        self.vocab_size = int(getattr(head, "out_features", 0) or model.config.vocab_size)
+        self.chunk_rows = vocab_chunk_rows(int(getattr(trainer_cfg, "vocab_chunk_tokens", 0)), self.vocab_size)
+        self.teacher_head: LinearHead | None = None  # scoring: hidden (set_teacher_head)
         self.steps = 0
 
     def _deepspeed_engine(self, model, optimizer, scheduler, accumulation_steps: int, trainer_cfg: TrainerConfig,
@@ -428,8 +469,33 @@ class StudentTrainer:
         docstring), else at every position."""
         if self.gather_logprobs:
             full_vocab = full_vocab and needs_student_distribution(micro, self.loss_terms)
-            return student_logprobs_at(model, micro, trained_positions_BT(micro), self.temperature, full_vocab)
+            return student_logprobs_at(model, micro, trained_positions_BT(micro), self.temperature, full_vocab,
+                                       self.chunk_rows)
         return student_logprobs(model, micro, self.temperature)
+
+    def set_teacher_head(self, head: LinearHead) -> None:
+        """Keep the teacher's output head (``scoring: hidden``): the batches then carry the
+        teacher's final hidden states only, and this head turns them into its distribution, a
+        chunk at a time (:class:`~opd.trajectory.HeadRows`). Sent once per run by the driver."""
+        if head.vocab_size != self.vocab_size:
+            raise ValueError(f"scoring: hidden: the teacher's output head has {head.vocab_size} outputs and the "
+                             f"student's {self.vocab_size}; the two vocabularies must be the same (or use "
+                             "supervision.scoring: topk)")
+        self.teacher_head = LinearHead(head.weight.to(self.engine.device),
+                                       None if head.bias is None else head.bias.to(self.engine.device))
+
+    def _with_teacher_head(self, micro: TokenBatch) -> TokenBatch:
+        rows = micro.teacher_full_logprobs_NV
+        if not isinstance(rows, HeadRows):
+            return micro
+        if self.teacher_head is None:
+            raise ValueError("the batch carries the teacher's hidden states (scoring: hidden) and this trainer was "
+                             "never sent the teacher's output head (StudentTrainer.set_teacher_head)")
+        if rows.hidden.values_NV.shape[-1] != self.teacher_head.hidden_size:
+            raise ValueError(f"scoring: hidden: the teacher's hidden states have {rows.hidden.values_NV.shape[-1]} "
+                             f"features and its output head takes {self.teacher_head.hidden_size}")
+        return replace(micro, teacher_full_logprobs_NV=replace(rows, head=self.teacher_head, chunk_rows=self.chunk_rows,
+                                                               vocab_size=self.teacher_head.vocab_size))
 
     def train_step(self, batch: TokenBatch) -> dict[str, float]:
         """One optimizer update over ``batch`` (this rank's share of it, split into micro-batches);
@@ -465,10 +531,11 @@ class StudentTrainer:
             micro_batches = micro_batches + [micro_batches[0]] * (most - len(micro_batches))
         for m, micro in enumerate(micro_batches):
             self.engine.set_gradient_accumulation_boundary(m == len(micro_batches) - 1)
-            micro = micro.to(self.engine.device)
-            if self.reference is not None:
-                with torch.no_grad():
-                    reference_BT = self._student_logprobs(self.reference, micro, full_vocab=False)[0]
+            micro = self._with_teacher_head(micro.to(self.engine.device))
+            if self.reference is not None or (self.lora is not None and needs_reference(self.loss_terms)):
+                with torch.no_grad(), self._adapters_off():
+                    reference = self.reference if self.reference is not None else self.engine
+                    reference_BT = self._student_logprobs(reference, micro, full_vocab=False)[0]
                 micro = replace(micro, reference_logprobs_BT=reference_BT)
             micro = micro.with_student(*self._student_logprobs(self.engine, micro))
             if idle[m]:
@@ -521,18 +588,28 @@ class StudentTrainer:
         return int(tensor.item())
 
     # -- weights ----------------------------------------------------------------------------
-    def _full_parameters(self):
-        """A context in which the module holds its full parameters (ZeRO-3 partitions them)."""
+    def _adapters_off(self):
+        """A context in which a LoRA student is its starting weights (the adapters bypassed)."""
+        return self.engine.module.disable_adapter() if self.lora is not None else contextlib.nullcontext()
+
+    def _full_parameters(self, trained_only: bool = False):
+        """A context in which the module holds its full parameters (ZeRO-3 partitions them): all,
+        or with ``trained_only`` the ones that train (a LoRA student's adapters)."""
         if self.zero_stage != 3:
             return contextlib.nullcontext()
         import deepspeed
 
-        return deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None)
+        params = [p for p in self.engine.module.parameters() if p.requires_grad or not trained_only]
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
-    def export_weights(self) -> dict[str, torch.Tensor] | None:
+    def export_weights(self) -> "dict[str, torch.Tensor] | lora.LoraUpdate | None":
         """Full (gathered) weights on CPU, keyed like the HF model's ``state_dict``; a tied tensor
-        is one tensor under both names (:func:`opd.models.cpu_copy`), sent once. Rank 0 answers;
-        the other ranks return ``None`` (under ZeRO-3 they must take part in the gather)."""
+        is one tensor under both names (:func:`opd.models.cpu_copy`), sent once. A LoRA student
+        sends its adapters only (:class:`opd.training.lora.LoraUpdate`). Rank 0 answers; the
+        other ranks return ``None`` (under ZeRO-3 they must take part in the gather)."""
+        if self.lora is not None:
+            with self._full_parameters(trained_only=True):
+                return lora.adapter_update(self.engine.module) if self.rank == 0 else None
         with self._full_parameters():
             return cpu_copy(self.engine.module.state_dict()) if self.rank == 0 else None
 
@@ -546,12 +623,19 @@ class StudentTrainer:
         """The engine's state (weights, optimizer, scheduler) under ``ds/`` (DeepSpeed, one shard
         per rank under ZeRO) or ``torch/`` (safetensors and JSON), the group's shape in
         ``trainer.json``, and an HF export under ``hf/`` (safetensors), written by rank 0 from the
-        gathered weights. The caller makes the directory's appearance atomic."""
+        gathered weights. A LoRA student's state holds its adapters (not the frozen weights),
+        ``hf/`` the merged model and ``adapter/`` the adapters as :mod:`peft` saves them. The
+        caller makes the directory's appearance atomic."""
         directory = Path(directory)
-        self.engine.save_checkpoint(str(directory / self.state_dirname), tag="state", client_state={"steps": self.steps})
+        self.engine.save_checkpoint(str(directory / self.state_dirname), tag="state", client_state={"steps": self.steps},
+                                    exclude_frozen_parameters=self.lora is not None)
         with self._full_parameters():
             if self.rank == 0:
-                save_model(self.engine.module, self.tokenizer, directory / "hf")
+                if self.lora is not None:  # the merged model, and the adapters alone
+                    lora.save_merged(self.engine.module, self.tokenizer, directory / "hf")
+                    lora.save_adapter(self.engine.module, directory / lora.ADAPTER_DIR, self.model_dir)
+                else:
+                    save_model(self.engine.module, self.tokenizer, directory / "hf")
                 (directory / GROUP_FILE).write_text(json.dumps({"ranks": self.world_size,
                                                                 "zero_stage": self.zero_stage}))
         if self.world_size > 1:
@@ -591,7 +675,8 @@ class StudentTrainer:
         else:
             check_pickles(state_dir)
             with safe_torch_load():
-                path, client = self.engine.load_checkpoint(str(state_dir), tag="state")
+                path, client = self.engine.load_checkpoint(str(state_dir), tag="state",
+                                                           load_module_strict=self.lora is None)
         if path is None:
             raise CheckpointError(f"{state_dir}: the {self.engine_kind} engine found no state to load (tag 'state')")
         self.steps = int((client or {}).get("steps", 0))

@@ -53,6 +53,10 @@ def _check_episodes(run: Path) -> None:
 
 
 def test_gkd_style_opd_two_steps(tmp_path, ray_session):
+    """prompt_dataset.yaml, then prompt_dataset_hidden.yaml (the teacher's hidden states in place of
+    its [N, V] rows): the same two steps, loss for loss, for a smaller payload."""
+    import ray
+
     from opd.cli import main
 
     assert main(_args(tmp_path, "prompt_dataset")) == 0
@@ -63,6 +67,15 @@ def test_gkd_style_opd_two_steps(tmp_path, ray_session):
         assert r["reverse_kl_per_token"] > 0 and r["time/teacher_scoring_s"] > 0
         assert r["turns_per_episode"] == 1.0 and r["env_errors"] == 0.0 and 0.0 <= r["success"] <= 1.0
     _check_episodes(tmp_path / "run")
+
+    ray.shutdown()
+    hidden_run = tmp_path / "hidden"
+    assert main([*_args(tmp_path, "prompt_dataset_hidden"), f"run.output_dir={hidden_run}"]) == 0
+    hidden_steps, _ = _records(hidden_run)
+    for full, hidden in zip(steps, hidden_steps, strict=True):
+        for key in ("loss", "reverse_kl_per_token", "grad_norm", "success"):
+            assert hidden[key] == pytest.approx(full[key], rel=1e-4, abs=1e-6), key
+        assert hidden["teacher_payload_mb"] < full["teacher_payload_mb"] / 4  # 64 numbers a token, not 320
 
 
 def test_grpo_two_steps(tmp_path, ray_session):

@@ -1,6 +1,7 @@
 """Every scoring mode and loss family trains through the real loop (Ray actors, DeepSpeed on
-CPU): top-k with exact reverse + forward KL, full-vocabulary GJSD at turn level, GRPO groups with
-PPO-clip next to OPD, and a teacher of another tokenizer (SmolLM2's) with span-aligned scores."""
+CPU): top-k with exact reverse + forward KL, full-vocabulary GJSD at turn level and the same from
+the teacher's hidden states (chunked over the vocabulary), GRPO groups with PPO-clip next to OPD,
+and a teacher of another tokenizer (SmolLM2's) with span-aligned scores."""
 
 from __future__ import annotations
 
@@ -35,8 +36,6 @@ CASES = {
     "topk": (["supervision.scoring=topk", "supervision.top_k=8",
               "losses=[{name: reverse_kl}, {name: forward_kl, weight: 0.5}]"],
              ["loss/reverse_kl", "loss/forward_kl", "reverse_kl/reverse_kl", "forward_kl/forward_kl"]),
-    "full": (["supervision.scoring=full", "losses=[{name: gjsd, args: {beta: 0.5, normalize: turn}}]"],
-             ["loss/gjsd", "gjsd/gjsd"]),
     "grpo": (["rollout.group_size=4", "losses=[{name: reverse_kl}, {name: ppo_clip, weight: 0.5}]"],
              ["loss/reverse_kl", "loss/ppo_clip", "ppo_clip/clip_frac"]),
 }
@@ -57,6 +56,25 @@ def test_scoring_mode_and_losses_train(tmp_path, case):
         assert steps[0]["teacher_payload_mb"] > 0
     if case == "grpo":
         assert steps[0]["ppo_clip/advantage_mean"] == pytest.approx(0.0, abs=1e-5)  # centred within groups
+
+
+def test_hidden_state_scoring_trains_as_full_scoring_does(tmp_path):
+    """The same run with ``scoring: full`` and with ``scoring: hidden`` (the teacher's final hidden
+    states, its head sent once to the trainer, the divergence 7 tokens at a time): the same
+    losses step by step, for a payload of ``[N, H]`` in place of ``[N, V]`` (64 against 300)."""
+    gjsd = "losses=[{name: gjsd, args: {beta: 0.5, normalize: turn}}]"
+    runs = {}
+    for scoring, extra in (("full", []), ("hidden", ["trainer.vocab_chunk_tokens=7"])):
+        code, steps, _ = _train(tmp_path, scoring, f"supervision.scoring={scoring}", gjsd, *extra)
+        assert code == 0 and len(steps) == 2
+        runs[scoring] = steps
+    for full, hidden in zip(runs["full"], runs["hidden"]):
+        assert math.isfinite(full["gjsd/gjsd"]) and full["gjsd/gjsd"] >= 0 and full["grad_norm"] > 0
+        for key in ("loss/gjsd", "gjsd/gjsd", "grad_norm", "success"):
+            assert hidden[key] == pytest.approx(full[key], rel=1e-4, abs=1e-6), key
+        # 4 bytes per sampled token's logprob, then [N, V] or [N, H] float32 rows.
+        ratio = (full["teacher_payload_mb"]) / hidden["teacher_payload_mb"]
+        assert ratio == pytest.approx((1 + 300) / (1 + 64), rel=1e-6)
 
 
 def test_cross_tokenizer_teacher_trains_and_is_refused_without_the_option(tmp_path, capsys, monkeypatch):

@@ -13,6 +13,7 @@ Real parts: Ray actors, DeepSpeed's ZeRO over gloo, the tiny Qwen3 of the test f
 from __future__ import annotations
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from opd.schema import ResourcesConfig, TrainerConfig
@@ -38,7 +39,7 @@ def _cfg(stage: int):
                                               grad_clip_norm=1e9))
 
 
-def _group(model_dir: str, stage: int, ranks: int) -> list:
+def _group(model_dir: str, stage: int, ranks: int, lora=None) -> list:
     """``ranks`` trainer actors meeting through a file rendezvous, as spawn_workers starts them."""
     import ray
 
@@ -47,7 +48,7 @@ def _group(model_dir: str, stage: int, ranks: int) -> list:
 
     rendezvous = ray.get(ray.remote(rendezvous_point).remote(True)) if ranks > 1 else None
     actor = ray.remote(StudentTrainer).options(num_cpus=0.5)
-    spec = TrainerSpec(_cfg(stage), tuple(TERMS), model_dir, 4, torch_threads=1)
+    spec = TrainerSpec(_cfg(stage), tuple(TERMS), model_dir, 4, torch_threads=1, lora=lora)
     return [actor.remote(spec, rank=r, world_size=ranks, rendezvous=rendezvous) for r in range(ranks)]
 
 
@@ -126,3 +127,41 @@ def test_a_group_checkpoint_resumes_exactly_and_refuses_another_rank_count(tmp_p
     assert isinstance(info.value.cause, CheckpointError)
     assert "written by 2 trainer rank(s) under ZeRO stage 3" in str(info.value.cause)
     assert "resources.trainer_ranks=2" in str(info.value.cause)
+
+
+def test_a_lora_group_takes_the_one_rank_step_and_resumes_exactly(tmp_path, tokenizer, fmt, tiny_model_dir, ray_local):
+    """LoRA adapters on two ZeRO-3 ranks: the one-rank ZeRO-0 step (metrics and adapters), the
+    adapters alone exported (gathered from the shards), and the group's checkpoint resumes exactly."""
+    import ray
+
+    from opd.schema import LoraConfig
+
+    lora = LoraConfig(rank=4, alpha=8.0)
+    first, second = _batch(tokenizer, fmt, 5, seed=3), _batch(tokenizer, fmt, 4, seed=4)
+    one = _group(tiny_model_dir, 0, 1, lora)
+    (expected,), (update,) = _step(one, first)
+    _end(one)
+    group = _group(tiny_model_dir, 3, 2, lora)
+    got, (exported, none) = _step(group, first)
+    assert none is None and exported.factors.keys() == update.factors.keys() and len(update.factors) == 14
+    for name, (a, b, scale) in update.factors.items():
+        a2, b2, scale2 = exported.factors[name]
+        assert scale2 == scale and float((a2 - a).abs().max()) < 1e-5 and float((b2 - b).abs().max()) < 1e-5, name
+    for key in expected:
+        if not key.startswith(("time/", "memory/")):
+            assert got[0][key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
+    assert max(float(b.abs().max()) for _, b, _ in update.factors.values()) > 0  # B left zero: the step moved it
+
+    ray.get([t.save_checkpoint.remote(str(tmp_path)) for t in group])
+    after, (want, _) = _step(group, second)
+    _end(group)
+    resumed = _group(tiny_model_dir, 3, 2, lora)
+    ray.get([t.load_checkpoint.remote(str(tmp_path)) for t in resumed])
+    again, (have, _) = _step(resumed, second)
+    _end(resumed)
+    for key in after[0]:
+        if not key.startswith(("time/", "memory/")):
+            assert again[0][key] == pytest.approx(after[0][key], rel=1e-6, abs=1e-9), key
+    for name, (a, b, _) in want.factors.items():
+        assert torch.equal(have.factors[name][0], a) and torch.equal(have.factors[name][1], b), name
+

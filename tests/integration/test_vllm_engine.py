@@ -157,6 +157,38 @@ def test_weight_sync_gives_the_updated_models_logprobs(vllm_engine, tokenizer, f
     vllm_engine.update_weights(load_model(tiny_model_dir).state_dict())  # restore for other tests
 
 
+def test_a_lora_update_merged_into_vllm_gives_the_adapted_models_logprobs(vllm_engine, tokenizer, fmt, tiny_model_dir):
+    """A LoRA student's sync: the adapters only, merged by the rollout worker into the starting
+    weights of the layers they adapt, and loaded into vLLM as those layers alone (a partial
+    reload of its fused layers)."""
+    from opd.models import load_model
+    from opd.runtime.workers import EngineSpec, RolloutWorker
+    from opd.schema import LoraConfig
+    from opd.training import lora
+
+    adapted = lora.wrap(load_model(tiny_model_dir), LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj",
+                                                                                                 "down_proj"]))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    update = lora.adapter_update(adapted)
+    worker = RolloutWorker.__new__(RolloutWorker)  # the worker's sync on this test's engine
+    worker.engine, worker.path, worker.merger = vllm_engine, tiny_model_dir, None
+    traj = ten_turn_trajectory(tokenizer, fmt)
+    loaded = worker.update_weights(update)
+    assert loaded["bytes"] == update.nbytes() and len(update.factors) == 6  # 3 layers x 2 blocks
+    after = score_trajectories(vllm_engine, [traj], "full", fmt)[0].logprobs
+    expected = score_trajectories(HFEngine(adapted.merge_and_unload(), pad_id=fmt.pad_id), [traj], "full", fmt)[0]
+    diff = max(abs(a - b) for a, b in zip(after, expected.logprobs))
+    print(f"LoRA sync into vLLM: max abs diff vs the merged model {diff:.2e}")
+    assert diff <= PARITY_TOL
+    base = score_trajectories(HFEngine.from_pretrained(tiny_model_dir), [traj], "full", fmt)[0].logprobs
+    assert max(abs(a - b) for a, b in zip(base, after)) > 1e-2  # the adapters did change the model
+    vllm_engine.update_weights(load_model(tiny_model_dir).state_dict())  # restore for other tests
+
+
 def test_two_step_opd_run_with_the_student_on_vllm(tmp_path):
     import ray
 

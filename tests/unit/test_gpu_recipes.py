@@ -75,7 +75,8 @@ def test_a_gpu_recipe_binds_fits_its_cluster_and_names_real_models(recipe, monke
     assert cfg.teacher.tensor_parallel_size <= res.teacher_gpus
     assert cfg.student.tensor_parallel_size <= res.rollout_gpus
     assert res.trainer_gpus >= 1 and (res.trainer_ranks == 1 or cfg.trainer.zero_stage >= 1)
-    if cfg.trainer.zero_stage < 3 and "4B" in cfg.student.path:
+    if cfg.trainer.zero_stage < 3 and "4B" in cfg.student.path and cfg.student.lora.rank == 0:
+        # (a LoRA student's state is its frozen 8 GB and the adapters': one GPU holds it)
         pytest.fail(f"{recipe.name}: a 4B student's 64 GB of training state needs ZeRO-3 over ranks")
     check_feasible(role_requests(res, role_counts(res)), _cluster(header["cluster"]))
     assert cfg.run.output_dir == f"runs/{cfg.name}"

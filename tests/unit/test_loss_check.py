@@ -15,6 +15,7 @@ from opd.config import load_config
 from opd.losses import LossError, combined_loss
 from opd.runtime.workers import recipe_loss_terms
 from opd.training.loss_check import check_losses, probe_batch
+from opd.trajectory import HeadRows
 from tests.unit import user_losses
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,12 +68,14 @@ def test_a_loss_that_returns_the_wrong_thing_is_caught(name, expected):
         check_losses(300, [(f"tests.unit.user_losses.{name}", 1.0, {})])
 
 
-@pytest.mark.parametrize("scoring", ["sampled", "topk", "full"])
+@pytest.mark.parametrize("scoring", ["sampled", "topk", "full", "hidden"])
 def test_the_probe_carries_what_the_recipes_batches_carry(scoring):
     terms = [("tests.unit.user_losses.reads_every_field", 1.0, {"topk": scoring == "topk"})]
     batch = probe_batch(300, terms, scoring, top_k=5)
     assert (batch.teacher_topk_ids_BTK is not None) == (scoring == "topk")
-    assert (batch.teacher_full_logprobs_NV is not None) == (scoring == "full")
+    assert (batch.teacher_full_logprobs_NV is not None) == (scoring in ("full", "hidden"))
+    # Under hidden scoring the teacher's rows are computed from its hidden states, and read alike.
+    assert isinstance(batch.teacher_full_logprobs_NV, HeadRows) == (scoring == "hidden")
     assert batch.totals["tokens"] == 11.0 and batch.totals["turns"] == 4.0 and batch.student_logprobs_BT.requires_grad
     check_losses(300, terms, scoring, top_k=5)
     pivot = probe_batch(300, [("pivot_recovery", 1.0, {})], algorithm="pivot_opd")

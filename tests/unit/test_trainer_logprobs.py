@@ -19,7 +19,7 @@ from opd.losses import combined_loss
 from opd.supervision.teacher_view import with_teacher_scores
 from opd.training.trainer import (needs_student_distribution, reads_trained_positions_only, student_logprobs,
                                   student_logprobs_at, trained_positions_BT)
-from opd.trajectory import TokenBatch
+from opd.trajectory import HeadRows, TokenBatch
 
 
 def _rows(fmt, vocab: int, n_rows: int, gen: torch.Generator, packed: bool) -> tuple[list[dict], list[list[int]]]:
@@ -72,7 +72,7 @@ def _batch(fmt, vocab: int, scoring: str, packed: bool = False, masks: bool = Fa
     return batch.with_totals(micro_batches=1)
 
 
-def _loss_and_grads(model, batch, terms, temperature, gathered: bool, reference=None):
+def _loss_and_grads(model, batch, terms, temperature, gathered: bool, reference=None, chunk_rows: int = 0):
     model.zero_grad(set_to_none=True)
     if gathered:
         positions_BT = trained_positions_BT(batch)
@@ -80,7 +80,10 @@ def _loss_and_grads(model, batch, terms, temperature, gathered: bool, reference=
             with torch.no_grad():
                 batch = replace(batch, reference_logprobs_BT=student_logprobs_at(reference, batch, positions_BT,
                                                                                  temperature)[0])
-        student = student_logprobs_at(model, batch, positions_BT, temperature, needs_student_distribution(batch, terms))
+        student = student_logprobs_at(model, batch, positions_BT, temperature, needs_student_distribution(batch, terms),
+                                      chunk_rows)
+        if chunk_rows and student[1] is not None:
+            assert isinstance(student[1], HeadRows)  # the chunked path, not the [N, V] rows
     else:
         if reference is not None:
             with torch.no_grad():
@@ -119,6 +122,22 @@ def test_gathered_logprobs_give_the_same_losses_and_gradients(case, packed, mode
     want_loss, want_metrics, want_grads = _loss_and_grads(model, batch, terms, temperature, gathered=False)
     got_loss, got_metrics, got_grads = _loss_and_grads(model, batch, terms, temperature, gathered=True)
     _assert_same(want_loss, want_metrics, want_grads, got_loss, got_metrics, got_grads)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_chunks_over_the_vocabulary_give_the_same_losses_and_gradients(case, packed, model, fmt):
+    """``trainer.vocab_chunk_tokens``: the student's rows 3 at a time (about 15 chunks here), each
+    recomputed in the backward pass, against all at once: the same loss and gradient (float32)."""
+    scoring, terms = CASES[case]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    batch = _batch(fmt, vocab, scoring, packed=packed, seed=len(case) + 1)
+    want = _loss_and_grads(model, batch, terms, 0.7, gathered=True)
+    got = _loss_and_grads(model, batch, terms, 0.7, gathered=True, chunk_rows=3)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-6)
+    for name, grad in want[2].items():
+        assert float((got[2][name] - grad).abs().max()) <= 1e-6 * max(1.0, float(grad.abs().max())), name
+    assert got[1] == pytest.approx(want[1], rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])

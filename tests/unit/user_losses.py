@@ -21,4 +21,6 @@ def reads_every_field(batch, cfg):
     total = total + batch.teacher_logprobs_BT.sum() + batch.advantage_B.sum() + batch.reference_logprobs_BT.sum()
     if cfg.get("topk"):
         total = total + batch.teacher_topk_logprobs_BTK.clamp(min=-50).sum() + batch.teacher_tail_logprob_BT.sum()
+    if batch.teacher_full_logprobs_NV is not None:
+        total = total + batch.teacher_full_logprobs_BTV.mean() + batch.teacher_full_logprobs_NV.values_NV.mean()
     return total, {"tokens": float(batch.totals["tokens"])}
