@@ -40,6 +40,13 @@ def _console():
     return Console(highlight=False)
 
 
+def _escape(text: object) -> str:
+    """``text`` shown as written by rich (an error's ``[...]``, a path in brackets, is not markup)."""
+    from rich.markup import escape
+
+    return escape(str(text))
+
+
 def _quiet_libraries() -> None:
     # DeepSpeed, Ray and transformers are chatty at import; the run's own lines should stand out.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -138,10 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _command(args, console)
     except ConfigError as exc:
-        console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+        console.print(f"[bold red]error:[/] {_escape(exc)}", soft_wrap=True)
         return 2
     except Preempted as exc:  # SIGTERM: what was saved, and the way back; not a failure to log
-        console.print(f"[yellow]preempted:[/] {exc}", soft_wrap=True)
+        console.print(f"[yellow]preempted:[/] {_escape(exc)}", soft_wrap=True)
         console.print(f"resume with: {shlex.join(['opd', 'train', args.recipe, *args.overrides, '--resume'])}",
                       soft_wrap=True)
         return exc.exit_status
@@ -259,7 +266,7 @@ def _export(run_dir: Path, out: Path, step: int | None, console: Any) -> int:
     try:
         done, files = export_model(run_dir, out, step)
     except CheckpointError as exc:
-        console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+        console.print(f"[bold red]error:[/] {_escape(exc)}", soft_wrap=True)
         return 2
     adapter = (f"; {out / 'adapter'} holds the LoRA adapters alone (PeftModel.from_pretrained(base, "
                f"'{out / 'adapter'}'))") if "adapter" in files else ""
@@ -284,7 +291,7 @@ def _verify(run_dir: Path, console: Any) -> int:
             console.print(f"[green]ok[/]   {path.name} (step {state['step']})")
         except CheckpointError as exc:
             bad += 1
-            console.print(f"[bold red]bad[/]  {path.name}: {exc}", soft_wrap=True)
+            console.print(f"[bold red]bad[/]  {path.name}: {_escape(exc)}", soft_wrap=True)
     return 1 if bad else 0
 
 
@@ -299,7 +306,7 @@ def _report_failure(console: Any, args: argparse.Namespace, exc: BaseException) 
     else:
         headline = f"opd {args.command} failed in the driver: {type(exc).__name__}: {exc}"
     notes = "; ".join(getattr(exc, "__notes__", []))
-    console.print(f"[bold red]error:[/] {headline}{f' ({notes})' if notes else ''}", soft_wrap=True)
+    console.print(f"[bold red]error:[/] {_escape(headline)}{f' ({_escape(notes)})' if notes else ''}", soft_wrap=True)
     if args.command == "train" and run_dir is not None and getattr(exc, "resumable", True):
         from opd.training.checkpoint import latest_checkpoint
 

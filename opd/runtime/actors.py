@@ -120,6 +120,10 @@ class RayWorkers:
             raise WorkerError(role, f"the {role} did not finish {call} within {self.timeout_s:g} s "
                               "(resources.actor_timeout_s); it is hung or far slower than expected", kind="hung") from None
         except rex.RayTaskError as exc:
+            if (died := self._died_beside(ref)) is not None:
+                # One rank of a group died and the others' collectives failed with it (gloo's
+                # "connection reset by peer"): the death is what happened, and it is restartable.
+                return self._await(died, role, call)
             cause = exc.cause if isinstance(exc.cause, BaseException) else None
             what = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc).splitlines()[0]
             raise WorkerError(role, f"the {role} failed in {call}: {what}", cause, _plain(str(exc))) from None
@@ -128,6 +132,24 @@ class RayWorkers:
             raise WorkerError(role, f"the {role} actor died during {call}"
                               f"{': ' + _plain(reason[0])[:300] if reason else ''}", None, _plain(str(exc)),
                               kind="died") from None
+
+    def _died_beside(self, ref: Any, grace_s: float = 15.0) -> Any:
+        """Of a list of refs that raised, the ref of an actor that died (its death can reach Ray a
+        moment after the survivors' errors: wait up to ``grace_s`` for every ref), or None."""
+        import ray
+        from ray import exceptions as rex
+
+        if not isinstance(ref, list) or len(ref) < 2:
+            return None
+        ray.wait(ref, num_returns=len(ref), timeout=min(grace_s, self.timeout_s or grace_s))
+        for one in ref:
+            try:
+                ray.get(one, timeout=0)
+            except rex.RayActorError:
+                return one
+            except Exception:  # raised, or still running: not a death
+                continue
+        return None
 
     def _collect_refs(self, who: Role, env_factory: EnvFactory, tasks: list[str], settings: EpisodeSettings,
                       seed: int) -> tuple[str, list[Any]]:

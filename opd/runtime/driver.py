@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from rich.markup import escape
+
 from opd.algorithms import get_algorithm
 from opd.algorithms.base import RunContext, StepRollouts, Workers
 from opd.bootstrap import resolve_model_path
@@ -163,7 +165,7 @@ def _restart_or_raise(exc: WorkerError, cfg: OPDConfig, restarts: int, log: Call
         raise exc
     restarts += 1
     last = complete_checkpoints(Path(cfg.run.output_dir))
-    log(f"[yellow]{exc}[/]; restarting every role from "
+    log(f"[yellow]{escape(str(exc))}[/]; restarting every role from "
         f"{last[-1].name if last else 'the beginning (no checkpoint yet)'} "
         f"(restart {restarts} of {cfg.run.max_restarts}, run.max_restarts)")
     return restarts
@@ -280,7 +282,7 @@ class TrainingRun:
             if not cfg.supervision.cross_tokenizer:
                 raise ConfigError(f"keys 'student.path' ({student_path}) and 'teacher.path' ({teacher_path}): {exc} "
                                   "Or set supervision.cross_tokenizer: true to align the two over text spans.") from None
-            self.log(f"cross-tokenizer scoring (the tokenizers differ: {'; '.join(exc.problems)[:300]})")
+            self.log(f"cross-tokenizer scoring (the tokenizers differ: {escape('; '.join(exc.problems)[:300])})")
         else:
             if cfg.supervision.cross_tokenizer:
                 self.log("supervision.cross_tokenizer is set but the tokenizers match: scoring re-tokenises anyway")
@@ -347,7 +349,7 @@ class TrainingRun:
                     aside = path.with_name(f"rejected-{path.name}-{int(time.time())}")
                 path.rename(aside)
                 rejected.append(f"{path.name}: {reason}")
-                self.log(f"[yellow]skipped checkpoint {path.name}[/]: {reason}; moved to {aside.name}")
+                self.log(f"[yellow]skipped checkpoint {path.name}[/]: {escape(str(reason))}; moved to {aside.name}")
                 continue
             self._resume_from(path, state)
             return
@@ -547,7 +549,7 @@ def _warn_or_stop(message: str, key: str, setting: str, log: Callable[[str], Non
     """A failed pre-flight check: stop the run (``key: error``) or warn on the console."""
     if setting == "error":
         raise RunError(f"{message} ({key}: error)")
-    log(f"[bold yellow]warning:[/] {message}")
+    log(f"[bold yellow]warning:[/] {escape(message)}")
 
 
 def _reset_peak_rss() -> bool:

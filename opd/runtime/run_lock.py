@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Callable, TextIO
 
+from rich.markup import escape
+
 from opd.config import ConfigError
 
 __all__ = ["LOCK_NAME", "RunDirectoryLock"]
@@ -53,7 +55,7 @@ class RunDirectoryLock:
                               "to end (or stop it), or set run.output_dir to another directory. Nothing was changed.") \
                 from None
         except OSError as exc:  # a filesystem without flock (some NFS mounts): run unguarded, and say so
-            self.log(f"[yellow]warning:[/] cannot lock {self.path} ({exc}); nothing stops a second driver from "
+            self.log(f"[yellow]warning:[/] cannot lock {self.path} ({escape(str(exc))}); nothing stops a second driver from "
                      "writing this run directory at the same time")
             file.close()
             return self

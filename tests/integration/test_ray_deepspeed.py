@@ -256,6 +256,18 @@ def _divide(host, x):
     return 1 / x
 
 
+def _peer_lost(host):
+    raise RuntimeError("[/gloo/pair.cc:537] Read error [127.0.0.1]:62599: Connection reset by peer")
+
+
+def _die_after(host, seconds):
+    import os
+    import time
+
+    time.sleep(seconds)
+    os._exit(3)
+
+
 def _die(host):
     import os
 
@@ -297,3 +309,18 @@ def test_a_hung_raising_or_dead_actor_becomes_a_worker_error_naming_its_role(ray
     with pytest.raises(WorkerError, match="the teacher actor died during _die") as info:
         workers.run("teacher", _die)
     assert info.value.cause is None
+
+    # A group call in which one rank dies and the other's collective fails because of it (first
+    # in the list, its error comes back first): the death is reported, so the run restarts.
+    ranks = [ray.remote(Host).options(num_cpus=0).remote() for _ in range(2)]
+    workers = RayWorkers(teachers=ranks, rollouts=ranks, trainers=ranks, timeout_s=30.0)
+    refs = [ranks[0].run.remote(_peer_lost), ranks[1].run.remote(_die_after, 1.0)]
+    with pytest.raises(WorkerError, match="the trainer actor died during save_checkpoint") as info:
+        workers._await(refs, "trainer", "save_checkpoint")
+    assert info.value.kind == "died"
+    # Without a death beside it, the same error is the rank's own.
+    ranks = [ray.remote(Host).options(num_cpus=0).remote() for _ in range(2)]
+    refs = [ranks[0].run.remote(_peer_lost), ranks[1].run.remote(_divide, 2)]
+    with pytest.raises(WorkerError, match=r"failed in save_checkpoint: RuntimeError: \[/gloo/pair.cc:537\]") as info:
+        workers._await(refs, "trainer", "save_checkpoint")
+    assert info.value.kind == "raised"

@@ -73,7 +73,7 @@ def test_packed_scores_match_the_hf_engine(vllm_engine, tokenizer, fmt, tiny_mod
 
 def test_full_scoring_is_refused_with_a_clear_error(vllm_engine, tokenizer, fmt):
     traj = ten_turn_trajectory(tokenizer, fmt)
-    with pytest.raises(ValueError, match="use engine: hf"):
+    with pytest.raises(ValueError, match="use teacher.engine: hf"):
         vllm_engine.score([pack_trajectory(traj, "full", fmt)], mode="full")
 
 
