@@ -73,6 +73,8 @@ class BootstrapConfig:
     dagger_temperature: float = 1.0  # the init model's sampling temperature in those episodes (0: greedy)
     seed: Optional[int] = None  # model seed; None: run.seed (teacher) / run.seed + 1 (student)
     cache_dir: str = "~/.cache/opd/bootstrap"  # where built models are kept between runs
+    shipped: bool = True  # use the copy shipped with opd where there is one (the CPU recipes' models,
+    # opd/bootstrap/shipped_models: the same weights on every machine); false: build it here
 
 
 @dataclass

@@ -21,7 +21,8 @@ The package, in the order a build runs:
 - :mod:`~opd.bootstrap.rows`: scripted episodes and the SFT rows made of them;
 - :mod:`~opd.bootstrap.sft`: the starting model and the SFT loop;
 - :mod:`~opd.bootstrap.build`: the build itself, DAgger's rows, the cached directory;
-- :mod:`~opd.bootstrap.cache`: the content hash that names it.
+- :mod:`~opd.bootstrap.cache`: the content hash that names it;
+- :mod:`~opd.bootstrap.shipped`: the CPU recipes' models shipped with opd, used instead of a build.
 
 Options that shape the rows (``docs/actfirst.md``, ``docs/pivot.md``):
 
@@ -63,6 +64,7 @@ from pathlib import Path
 from typing import Callable
 
 from opd.bootstrap.build import bootstrap_dir, build_bootstrap_model
+from opd.bootstrap.shipped import shipped_model
 from opd.models import smollm2_dir, smollm2_model_dir
 from opd.schema import EnvConfig, ModelConfig
 
@@ -88,7 +90,8 @@ def existing_model_path(model_cfg: ModelConfig, env_cfg: EnvConfig, seed: int) -
     (nothing is built or made); None for a model not built yet or a hub id."""
     if model_cfg.bootstrap is not None:
         boot = model_cfg.bootstrap
-        directory = bootstrap_dir(boot, env_cfg, boot.seed if boot.seed is not None else seed)
+        seed = boot.seed if boot.seed is not None else seed
+        directory = shipped_model(boot, env_cfg, seed) or bootstrap_dir(boot, env_cfg, seed)
     elif model_cfg.path == "smollm2":
         directory = smollm2_dir()
     else:

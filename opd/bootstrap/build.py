@@ -19,6 +19,7 @@ from opd.bootstrap.cache import BOOTSTRAP_THREADS, bootstrap_key
 from opd.bootstrap.rows import (actfirst_rows, env_state_of, expert_labelled_rows, hint_rows, scripted_episode,
                                 scripted_policy, sft_row)
 from opd.bootstrap.sft import fixed_threads, initial_model, sft
+from opd.bootstrap.shipped import shipped_model
 from opd.bootstrap.tokenizer import resolve_tokenizer
 from opd.chat import ChatFormat
 from opd.envs import EnvFactory
@@ -35,7 +36,14 @@ def bootstrap_dir(boot: BootstrapConfig, env_cfg: EnvConfig, seed: int) -> Path:
 
 
 def build_bootstrap_model(boot: BootstrapConfig, env_cfg: EnvConfig, seed: int, log: Callable[[str], None] = print) -> str:
-    """Return the directory of the model ``boot`` describes, building it on first use."""
+    """Return the directory of the model ``boot`` describes: the copy shipped with opd where
+    there is one (:mod:`opd.bootstrap.shipped`, unless ``boot.shipped`` is off), else the one in
+    the cache, built on first use."""
+    shipped = shipped_model(boot, env_cfg, seed)
+    if shipped is not None:
+        log(f"bootstrap: the {boot.policy} model of {env_cfg.id} is shipped with opd ({shipped.name}; "
+            "bootstrap.shipped: false builds it here instead)")
+        return str(shipped)
     directory = bootstrap_dir(boot, env_cfg, seed)
     cache_root = directory.parent
     if (directory / "model.safetensors").is_file():

@@ -72,9 +72,16 @@ def tokenizer_key(env_cfg: EnvConfig, vocab_size: int, corpus_episodes: int, wor
                    "corpus": corpus_episodes, "words": list(words)})
 
 
-def bootstrap_key(boot: BootstrapConfig, env_cfg: EnvConfig, seed: int) -> str:
-    """The content hash that names a bootstrapped model's cache directory."""
-    settings = {k: v for k, v in plain(boot).items() if k not in ("cache_dir", "seed")}  # the seed is the argument
-    return digest({"v": CACHE_VERSION, "boot": settings, "env": env_cfg.id, "kwargs": data_kwargs(env_cfg),
-                   "data": getattr(EnvFactory.of(env_cfg).env_class(), "data_version", ""), "split": env_cfg.train_split,
-                   "seed": seed, "build": build_environment()})
+# Settings that say where a model is kept or found, not what it is.
+NOT_KEYED = ("cache_dir", "seed", "shipped")  # the seed is the key's argument
+
+
+def bootstrap_key(boot: BootstrapConfig, env_cfg: EnvConfig, seed: int, build: bool = True) -> str:
+    """The content hash that names a bootstrapped model's cache directory; with ``build=False``
+    without the build environment: the recipe's key, which names a shipped model
+    (:mod:`opd.bootstrap.shipped`), the same on every machine."""
+    settings = {k: v for k, v in plain(boot).items() if k not in NOT_KEYED}
+    payload = {"v": CACHE_VERSION, "boot": settings, "env": env_cfg.id, "kwargs": data_kwargs(env_cfg),
+               "data": getattr(EnvFactory.of(env_cfg).env_class(), "data_version", ""), "split": env_cfg.train_split,
+               "seed": seed}
+    return digest({**payload, "build": build_environment()} if build else payload)

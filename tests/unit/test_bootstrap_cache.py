@@ -21,14 +21,15 @@ CHANGED = {"policy": "random_valid", "arch": TinyArchConfig(hidden_size=64), "n_
 
 def test_every_setting_but_the_cache_dir_and_the_seed_names_the_model():
     fields = {f.name for f in dataclasses.fields(BootstrapConfig)}
-    assert set(CHANGED) == fields - {"cache_dir", "seed"}, "a new bootstrap setting needs a case here"
+    assert set(CHANGED) == fields - {"cache_dir", "seed", "shipped"}, "a new bootstrap setting needs a case here"
     base = bootstrap_key(OmegaConf.structured(BootstrapConfig()), ENV, 0)
     keys = {name: bootstrap_key(OmegaConf.structured(BootstrapConfig(**{name: value})), ENV, 0)
             for name, value in CHANGED.items()}
     assert [name for name, key in keys.items() if key == base] == []
     assert len(set(keys.values())) == len(keys)
-    # Where the model is cached, and a pinned seed (the seed is the key's argument), are not what it is.
-    assert bootstrap_key(OmegaConf.structured(BootstrapConfig(cache_dir="/elsewhere", seed=3)), ENV, 0) == base
+    # Where the model is cached or found, and a pinned seed (the seed is the key's argument), are not what it is.
+    assert bootstrap_key(OmegaConf.structured(BootstrapConfig(cache_dir="/elsewhere", seed=3, shipped=False)),
+                         ENV, 0) == base
     assert bootstrap_key(OmegaConf.structured(BootstrapConfig()), ENV, 1) != base
 
 
@@ -42,7 +43,11 @@ def test_the_environment_and_the_build_name_the_model(monkeypatch):
     monkeypatch.setattr("opd.bootstrap.cache.digest", lambda payload: hashed.append(payload) or "k")
     bootstrap_key(boot, ENV, 0)
     assert hashed[0]["v"] == CACHE_VERSION and hashed[0]["build"] == build_environment()
-    assert set(hashed[0]["boot"]) == {f.name for f in dataclasses.fields(BootstrapConfig)} - {"cache_dir", "seed"}
+    assert set(hashed[0]["boot"]) == {f.name for f in dataclasses.fields(BootstrapConfig)} - {"cache_dir", "seed",
+                                                                                              "shipped"}
+    # The recipe's key (a shipped model's name) is the same payload without the build.
+    bootstrap_key(boot, ENV, 0, build=False)
+    assert hashed[1] == {k: v for k, v in hashed[0].items() if k != "build"}
 
 
 def test_the_tokenizer_key_names_its_corpus_and_words():
