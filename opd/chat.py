@@ -165,8 +165,9 @@ def student_sequence(traj: Trajectory, fmt: ChatFormat) -> dict[str, list]:
 
     Returns:
         A row for :meth:`opd.trajectory.TokenBatch.from_rows`: ``input_ids``, ``attention_mask``,
-        ``loss_mask`` (1.0 on response tokens), ``behaviour_logprobs``, ``turn_index`` and the
-        ``response_positions`` of each turn (list of (start, end) into ``input_ids``).
+        ``loss_mask`` (1.0 on the response tokens of a trained turn, :attr:`Turn.trained`),
+        ``behaviour_logprobs``, ``turn_index`` and the ``response_positions`` of each turn (list
+        of (start, end) into ``input_ids``).
     """
     ids: list[int] = []
     loss_mask: list[float] = []
@@ -181,7 +182,7 @@ def student_sequence(traj: Trajectory, fmt: ChatFormat) -> dict[str, list]:
         closing = fmt.close_ids(turn.response_ids) if k + 1 < len(traj.turns) else []
         ids += closing
         pad = len(turn.prompt_ids)
-        loss_mask += [0.0] * pad + [1.0] * len(turn.response_ids) + [0.0] * len(closing)
+        loss_mask += [0.0] * pad + [float(turn.trained)] * len(turn.response_ids) + [0.0] * len(closing)
         behaviour += [0.0] * pad + list(turn.response_logprobs) + [0.0] * len(closing)
         turn_index += [-1] * pad + [k] * len(turn.response_ids) + [-1] * len(closing)
     return {

@@ -385,6 +385,27 @@ def validate(cfg: OPDConfig, source: str = "config") -> None:
     _validate_losses(cfg, algorithm, source)
     algorithm.check_config(cfg, source)
     _validate_env(cfg.env, source)
+    _validate_curriculum(cfg, source)
+
+
+def _validate_curriculum(cfg: OPDConfig, source: str) -> None:
+    """A depth curriculum names when it ends, and starts inside the horizon."""
+    from opd.curriculum import horizon_of
+
+    cur = cfg.curriculum
+    if cur.depth == "off":
+        return
+    if cur.full_depth_step < 1:
+        raise ConfigError(f"{source}: key 'curriculum.full_depth_step' is {cur.full_depth_step}: with "
+                          f"'curriculum.depth: {cur.depth}' name the step from which every turn trains (e.g. half "
+                          f"of run.total_steps={cfg.run.total_steps}).")
+    try:
+        horizon = horizon_of(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    if cur.start_depth > horizon:
+        raise ConfigError(f"{source}: key 'curriculum.start_depth' is {cur.start_depth}, beyond the horizon of "
+                          f"{horizon} turns (curriculum.horizon, or the env's max_turns); start below it.")
 
 
 def _validate_losses(cfg: OPDConfig, algorithm: Algorithm, source: str) -> None:

@@ -176,6 +176,21 @@ class PivotConfig:
 
 
 @dataclass
+class CurriculumConfig:
+    """Which turns of its episodes the student learns in (docs/curricula.md): TCOD's turn-depth
+    curriculum (arXiv 2604.24005)."""
+
+    depth: Literal["off", "forward", "backward"] = "off"  # off: every turn trains | forward: the first d
+    # turns are played and trained | backward: every turn is played, the last d train
+    start_depth: int = 1  # d at step 1
+    full_depth_step: int = 0  # the step from which d is the whole horizon (the schedule's end)
+    horizon: int = 0  # the whole horizon in turns; 0: the env's max_turns
+    schedule: Literal["linear", "step"] = "linear"  # linear: d grows evenly from step 1 to full_depth_step |
+    # step: in `stages` equal jumps
+    stages: int = 4  # schedule: step: how many jumps
+
+
+@dataclass
 class LossConfig:
     """One term of the loss: a registered name or a dotted path to ``fn(batch, cfg)``."""
 
@@ -282,6 +297,7 @@ class OPDConfig:
     supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
     actfirst: ActFirstConfig = field(default_factory=ActFirstConfig)
     pivot: PivotConfig = field(default_factory=PivotConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     losses: list[LossConfig] = field(default_factory=lambda: [LossConfig(name="reverse_kl")])
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -340,6 +356,8 @@ BOUNDS: dict[type, dict[str, Bound]] = {
     SupervisionConfig: {"top_k": Bound(1, 1_000_000), "score_batch_size": _COUNT, "score_batch_tokens": _CAP},
     ActFirstConfig: {"action_max_new_tokens": _TOKENS},
     PivotConfig: {"recovery_turns": Bound(0, 1_000), "judge_max_new_tokens": _TOKENS, "hint_top_k": Bound(1, 1_000_000)},
+    CurriculumConfig: {"start_depth": Bound(1, 100_000), "full_depth_step": Bound(0, 10**9), "horizon": Bound(0, 100_000),
+                       "stages": Bound(1, 100_000)},
     LossConfig: {"weight": Bound(-1e6, 1e6)},
     TrainerConfig: {"learning_rate": Bound(0, 1, low_strict=True), "warmup_steps": Bound(0, 10**9),
                     "min_lr_ratio": _PROB, "weight_decay": Bound(0, 100), "adam_beta1": Bound(0, 1, high_strict=True),

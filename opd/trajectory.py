@@ -38,6 +38,8 @@ class Turn:
         executed_action_ids: set when the executed action was not sampled inside this response
             (ActFirst: a fast action-only turn acted, the full response was generated after);
             then :attr:`action_ids` is these ids, and the state-grounded view shows them.
+        trained: whether this turn's response carries loss; a turn outside a depth
+            curriculum's window (:mod:`opd.curriculum`) is context only, as the student played it.
     """
 
     prompt_ids: list[int]
@@ -52,6 +54,7 @@ class Turn:
     truncated: bool = False
     info: dict[str, Any] = field(default_factory=dict)
     executed_action_ids: list[int] | None = None
+    trained: bool = True
 
     @property
     def action_ids(self) -> list[int]:
@@ -70,7 +73,8 @@ class Trajectory:
         turns: the turns in order.
         success: the environment's success flag at the end.
         end_reason: ``success``, ``failure`` (terminated unsuccessfully), ``truncated`` (turn
-            budget), ``context_limit`` or ``env_error`` (the environment raised; see ``error``).
+            budget), ``context_limit``, ``depth_limit`` (a forward depth curriculum's horizon,
+            :mod:`opd.curriculum`) or ``env_error`` (the environment raised; see ``error``).
         error: the exception text when ``end_reason == "env_error"``.
         initial_info: the JSON-safe subset of ``env.reset``'s info (e.g. the expert's action in
             the first state: turn ``t``'s state has ``turns[t - 1].info``, turn 0's has this).

@@ -68,10 +68,11 @@ def build_episode_batch(trajs: list[Trajectory], scores: list[TokenScores], pad_
     return with_group_advantages(batch, trajs, group_size)
 
 
-def actfirst_settings(ctx: RunContext) -> ActFirstSettings:
-    """The rollout settings of ``ctx``'s recipe (training sampling, the ``actfirst`` section)."""
+def actfirst_settings(ctx: RunContext, step: int = 1) -> ActFirstSettings:
+    """The rollout settings of ``ctx``'s recipe at ``step`` (training sampling, a forward depth
+    curriculum's turns, the ``actfirst`` section)."""
     cfg = ctx.cfg
-    return ActFirstSettings(episode=ctx.train_settings, inverse_dynamics=bool(cfg.actfirst.inverse_dynamics),
+    return ActFirstSettings(episode=ctx.settings_for(step), inverse_dynamics=bool(cfg.actfirst.inverse_dynamics),
                             action_max_new_tokens=int(cfg.actfirst.action_max_new_tokens),
                             check=TransitionCheck(cfg.actfirst.transition_check, cfg.env.id, cfg.env.module),
                             decode_during_env_steps=bool(cfg.actfirst.decode_during_env_steps))
@@ -105,7 +106,9 @@ def train_step(ctx: RunContext, step: int) -> dict[str, float]:
         references = load_references(cfg, Console(stderr=True).log, tasks, teacher_play)
     clock.lap("references")
     trajs, stats, extra = ctx.workers.run("student", collect_actfirst, ctx.env_factory, tasks, references,
-                                          actfirst_settings(ctx), seed)
+                                          actfirst_settings(ctx, step), seed)
+    if ctx.curriculum is not None:  # which turns train (a depth curriculum's window)
+        extra = {**extra, **ctx.curriculum.mark(trajs, step)}
     clock.lap("generation")
     scored = ctx.workers.score_for_training(trajs, cfg.supervision)  # the whole answer goes teacher -> trainer
     clock.lap("teacher_scoring")

@@ -54,6 +54,8 @@ def student_episodes(ctx: RunContext, step: int) -> tuple[list[Trajectory], dict
     trajs, gen, staleness = ctx.rollouts.episodes(ctx, step, step_tasks(ctx, step), upcoming)
     if ctx.rollouts.ahead:
         gen = {**gen, "rollout/staleness": float(staleness)}
+    if ctx.curriculum is not None:  # which turns train (a depth curriculum's window)
+        gen = {**gen, **ctx.curriculum.mark(trajs, step)}
     return trajs, gen
 
 
@@ -143,7 +145,7 @@ def episode_metrics(trajs: list[Trajectory], gen: dict[str, float], group_size: 
     spread of the return within a group (``return/group_std``, 0 where every sibling scored the
     same and the group teaches nothing)."""
     turns = [turn for t in trajs for turn in t.turns]
-    stale = {"rollout/staleness": gen["rollout/staleness"]} if "rollout/staleness" in gen else {}
+    stale = {k: v for k, v in gen.items() if k == "rollout/staleness" or k.startswith("curriculum/")}
     returns = [t.total_reward for t in trajs]
     groups = {"return/group_std": group_spread(returns, group_size)} if group_size > 1 and trajs else {}
     return stale | groups | {

@@ -21,7 +21,7 @@ Columns of a row (:data:`EPISODE_COLUMNS`):
 ``sample``             which of a task's samples this is (``opd eval``; 0 elsewhere)
 ``turn_budget``        the turn budget it played under (0: the environment's own)
 ``success``            the environment's success flag at the end
-``end_reason``         ``success``, ``failure``, ``truncated``, ``context_limit`` or ``env_error``
+``end_reason``         ``success``, ``failure``, ``truncated``, ``context_limit``, ``depth_limit`` or ``env_error``
 ``error``              the environment's error text for ``env_error``
 ``total_reward``       the sum of the turns' rewards
 ``task_prompt``        the system and task messages the policy saw first, decoded
@@ -37,7 +37,8 @@ in ``response_ids``), ``observation`` (the environment's answer), ``reward``, ``
 sampling policy's, one per response token), ``teacher_logprobs`` (the teacher's, in its view;
 empty where not scored) and ``marks`` (``pivot`` and ``recovery``: PivotOPD's pivotal turn and
 the turns after it that got a self-teacher response; ``aligned``: an ActFirst turn that acted
-along its reference).
+along its reference; ``context``: a turn outside a depth curriculum's window, which carried no
+loss).
 
 Example:
     >>> write_episodes(path, episode_rows(trajs, tokenizer, step=5, kind="train", scores=scores))  # doctest: +SKIP
@@ -92,7 +93,7 @@ def episode_rows(trajs: Sequence[Trajectory], tokenizer: Any, step: int, kind: s
                 "response_tokens": tokenizer.batch_decode([[x] for x in turn.response_ids]),
                 "behaviour_logprobs": [_finite(x) for x in turn.response_logprobs],
                 "teacher_logprobs": [_finite(x) for x in teacher[offset:offset + n]],
-                "marks": list((marks or {}).get(i, {}).get(t, [])),
+                "marks": list((marks or {}).get(i, {}).get(t, [])) + ([] if turn.trained else ["context"]),
             })
             offset += n
         rows.append({

@@ -407,6 +407,10 @@ class _ActFirstRollout:
             e.traj.end_reason = "success" if e.traj.success else ("failure" if terminated else "truncated")
             self._end(i)
             return False
+        if self.settings.episode.max_turns and t + 1 >= self.settings.episode.max_turns:
+            e.traj.end_reason = "depth_limit"  # a forward depth curriculum's horizon (opd.curriculum)
+            self._end(i)
+            return False
         next_prompt = standard_prompt_ids(self.fmt, self.tokenizer, obs)
         # c_{t+1} = c_t a_t close o_t: the state-grounded view closes every action this way.
         e.history = e.context + turn.executed_action_ids + [self.fmt.im_end_id, *self.fmt.newline_ids]

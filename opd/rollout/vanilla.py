@@ -44,6 +44,7 @@ class EpisodeSettings:
     env_cpu_time_limit_s: float = 60.0  # subprocess: CPU seconds per reset or step; 0: none
     history: str = "full"  # full: past turns keep their whole response | state_grounded: their action only
     report_keys: tuple[str, ...] = ()  # the env's figures, kept in each turn's info (opd.envs.report_keys)
+    max_turns: int = 0  # end an episode after this many turns (end_reason "depth_limit"); 0: when the env ends it
 
 
 def episode_settings(cfg: OPDConfig, temperature: float, history: str = "full") -> EpisodeSettings:
@@ -139,6 +140,9 @@ def run_episodes(
             trajs[i].success = bool(info.get("success", False))
             if terminated or truncated:
                 trajs[i].end_reason = "success" if trajs[i].success else ("failure" if terminated else "truncated")
+                continue
+            if settings.max_turns and len(trajs[i].turns) >= settings.max_turns:
+                trajs[i].end_reason = "depth_limit"  # a forward depth curriculum's horizon (opd.curriculum)
                 continue
             next_prompt = next_prompt_ids(fmt, tokenizer, obs)
             shown, closing = fmt.shown_and_close_ids(turn, settings.history)

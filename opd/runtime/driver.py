@@ -50,6 +50,7 @@ from opd.algorithms.base import RunContext, StepRollouts, Workers
 from opd.bootstrap import resolve_model_path
 from opd.chat import ChatFormat
 from opd.config import ConfigError, flatten, to_yaml
+from opd.curriculum import DepthCurriculum
 from opd.envs import EnvFactory
 from opd.evaluation.heldout import check_sampling, check_teacher, evaluate
 from opd.evaluation.report import render_summary, step_status, training_progress, write_report_plot
@@ -241,7 +242,7 @@ class TrainingRun:
                               ChatFormat.from_tokenizer(tokenizers["student"]),
                               RunEpisodes(self.run_dir, tokenizers, cfg.run.trajectory_every_steps,
                                           cfg.run.trajectory_episodes, cfg.run.total_steps),
-                              StepRollouts(cfg.run.async_steps, cfg.run.total_steps))
+                              StepRollouts(cfg.run.async_steps, cfg.run.total_steps), DepthCurriculum(cfg))
         self.algorithm = get_algorithm(cfg.algorithm)
         if self.resume:
             self._load_checkpoint()

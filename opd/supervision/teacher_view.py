@@ -70,8 +70,9 @@ def pack_trajectory(traj: Trajectory, view: str, fmt: ChatFormat) -> ScoreReques
 
 def packed_row(traj: Trajectory, fmt: ChatFormat, view: str = "state_grounded") -> tuple[dict[str, list], list[int]]:
     """``traj`` packed in ``view`` as a training row for :meth:`TokenBatch.from_rows`, with
-    ``loss_mask`` 1.0 and ``turn_index`` t on the tokens of each response ``y_t``; also returns
-    those tokens' indices in the row, turns in order (where per-token values go)."""
+    ``turn_index`` t on the tokens of each response ``y_t`` and ``loss_mask`` 1.0 there where the
+    turn is trained (:attr:`Turn.trained`); also returns those tokens' indices in the row, turns
+    in order (where per-token values go)."""
     packed = pack_trajectory(traj, view, fmt)
     n = len(packed.input_ids)
     row = {"input_ids": packed.input_ids, "attention_mask": [1] * n, "loss_mask": [0.0] * n,
@@ -79,7 +80,7 @@ def packed_row(traj: Trajectory, fmt: ChatFormat, view: str = "state_grounded") 
            "position_ids": packed.position_ids, "branch_ids": packed.branch_ids}
     turn_of = [t for t, turn in enumerate(traj.turns) for _ in turn.response_ids]
     for t, i in zip(turn_of, packed.target_index):
-        row["loss_mask"][i] = 1.0
+        row["loss_mask"][i] = float(traj.turns[t].trained)
         row["turn_index"][i] = t
     return row, packed.target_index
 

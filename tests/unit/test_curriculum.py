@@ -1,0 +1,85 @@
+"""Turn-depth curricula (opd.curriculum, TCOD): the depth a schedule gives at chosen steps, a
+forward curriculum's episodes played on real FrozenLake stopping at the depth, and no loss on a
+turn outside the window, checked token by token on the batches every algorithm builds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opd.algorithms.step import build_token_batch
+from opd.chat import student_sequence
+from opd.config import load_config
+from opd.curriculum import DepthCurriculum, depth_at, mark_trained_turns
+from opd.envs import EnvFactory
+from opd.generation.hf import HFEngine
+from opd.rollout.vanilla import EpisodeSettings, run_episodes
+from opd.schema import ConfigError, CurriculumConfig
+from opd.supervision.teacher_view import packed_row
+
+FROZENLAKE = EnvFactory("opd/FrozenLakeText-v0", {"max_turns": 10, "n_train_tasks": 8, "n_eval_tasks": 2})
+
+
+def test_a_schedules_depth_at_chosen_steps():
+    linear = CurriculumConfig(depth="backward", start_depth=1, full_depth_step=11, horizon=21)
+    assert [depth_at(linear, s, 21) for s in (1, 2, 6, 10, 11, 50)] == [1, 3, 11, 19, 21, 21]
+    step = CurriculumConfig(depth="forward", start_depth=2, full_depth_step=9, horizon=10, schedule="step", stages=4)
+    # four equal jumps of 2 turns, each held for two steps, then the whole horizon from step 9
+    assert [depth_at(step, s, 10) for s in range(1, 11)] == [2, 2, 4, 4, 6, 6, 8, 8, 10, 10]
+    assert depth_at(CurriculumConfig(depth="off"), 1, 10) == 10
+    assert depth_at(CurriculumConfig(depth="forward", start_depth=30, full_depth_step=5), 1, 10) == 10
+
+
+def test_the_recipe_names_what_a_curriculum_lacks(tmp_path):
+    recipe = "recipes/quickstart.yaml"
+    with pytest.raises(ConfigError, match=r"curriculum.full_depth_step' is 0: with 'curriculum.depth: forward'"):
+        load_config(recipe, ["curriculum.depth=forward"])
+    with pytest.raises(ConfigError, match=r"curriculum.start_depth' is 9, beyond the horizon of 8 turns"):
+        load_config(recipe, ["curriculum.depth=backward", "curriculum.full_depth_step=5", "curriculum.start_depth=9"])
+    cfg = load_config(recipe, ["curriculum.depth=forward", "curriculum.full_depth_step=5"])
+    curriculum = DepthCurriculum(cfg)
+    assert curriculum.horizon == 8  # FrozenLake's own max_turns, read from the environment
+    assert [curriculum.settings(EpisodeSettings(), s).max_turns for s in (1, 3, 5)] == [1, 5, 0]
+
+
+def _episodes(tokenizer, fmt, tiny_model_dir, max_turns=0):
+    engine = HFEngine.from_pretrained(tiny_model_dir)
+    tasks = FROZENLAKE().unwrapped.task_ids("train")[:6]
+    return run_episodes(engine, FROZENLAKE, tasks, tokenizer, fmt,
+                        EpisodeSettings(max_new_tokens=6, env_isolation="inprocess", max_turns=max_turns), seed=3)
+
+
+def test_a_forward_curriculum_plays_the_first_turns_only(tokenizer, fmt, tiny_model_dir):
+    whole = _episodes(tokenizer, fmt, tiny_model_dir)
+    cut = _episodes(tokenizer, fmt, tiny_model_dir, max_turns=2)
+    assert max(len(t.turns) for t in whole) > 2, "the random student should wander past two turns"
+    for w, c in zip(whole, cut):
+        assert len(c.turns) == min(len(w.turns), 2)
+        # the same seed plays the same first turns; an episode cut short says why
+        assert [t.response_ids for t in c.turns] == [t.response_ids for t in w.turns[:2]]
+        assert c.end_reason == (w.end_reason if len(w.turns) <= 2 else "depth_limit")
+
+
+@pytest.mark.parametrize("mode", ["forward", "backward"])
+def test_no_loss_on_a_turn_outside_the_window(tokenizer, fmt, tiny_model_dir, mode):
+    trajs = [t for t in _episodes(tokenizer, fmt, tiny_model_dir) if len(t.turns) >= 3]
+    assert trajs, "need episodes of three turns or more"
+    mark_trained_turns(trajs, 2, mode)
+    for traj in trajs:
+        n = len(traj.turns)
+        assert [turn.trained for turn in traj.turns] == [(t < 2) if mode == "forward" else (t >= n - 2) for t in range(n)]
+    batch = build_token_batch(trajs, None, fmt.pad_id, fmt)  # vanilla OPD's and GRPO's rows
+    for b, traj in enumerate(trajs):
+        row = student_sequence(traj, fmt)
+        for t, (start, end) in enumerate(row["response_positions"]):
+            expected = 1.0 if traj.turns[t].trained else 0.0
+            assert batch.loss_mask_BT[b, start:end].tolist() == [expected] * (end - start)
+        assert batch.loss_mask_BT[b].sum() == sum(len(turn.response_ids) for turn in traj.turns if turn.trained)
+        # ActFirst's packed rows: the same turns carry loss
+        packed, index = packed_row(traj, fmt)
+        turn_of = [t for t, turn in enumerate(traj.turns) for _ in turn.response_ids]
+        assert [packed["loss_mask"][i] for i in index] == [float(traj.turns[t].trained) for t in turn_of]
+        assert sum(packed["loss_mask"]) == batch.loss_mask_BT[b].sum()
+    mark_trained_turns(trajs, 2, "off")  # off again: every response token carries loss
+    whole = build_token_batch(trajs, None, fmt.pad_id, fmt).loss_mask_BT
+    assert whole.sum(1).tolist() == [float(t.num_response_tokens) for t in trajs]
