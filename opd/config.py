@@ -389,10 +389,21 @@ def validate(cfg: OPDConfig, source: str = "config") -> None:
 
 
 def _validate_curriculum(cfg: OPDConfig, source: str) -> None:
-    """A depth curriculum names when it ends, and starts inside the horizon."""
+    """A curriculum names when it ends; a depth starts inside the horizon; prefixes have references."""
     from opd.curriculum import horizon_of
 
     cur = cfg.curriculum
+    if cur.prefix_source != "off":
+        if cur.prefix_end_step < 1:
+            raise ConfigError(f"{source}: key 'curriculum.prefix_end_step' is {cur.prefix_end_step}: with "
+                              f"'curriculum.prefix_source: {cur.prefix_source}' name the step from which episodes start "
+                              f"from the reset again (e.g. half of run.total_steps={cfg.run.total_steps}).")
+        if cfg.algorithm == "actfirst_opd":
+            raise ConfigError(f"{source}: key 'curriculum.prefix_source' is {cur.prefix_source!r}, but actfirst_opd's "
+                              "episodes follow their references from the reset already; set it to off.")
+        if cur.prefix_source == "dataset" and not cfg.actfirst.reference_dataset:
+            raise ConfigError(f"{source}: key 'curriculum.prefix_source' is 'dataset' but 'actfirst.reference_dataset' "
+                              "is empty; give the path of your reference episodes (docs/actfirst.md has the format).")
     if cur.depth == "off":
         return
     if cur.full_depth_step < 1:

@@ -28,8 +28,9 @@ Example:
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 from opd.schema import ConfigError, CurriculumConfig
 from opd.trajectory import Trajectory
@@ -49,11 +50,13 @@ def depth_at(cfg: CurriculumConfig, step: int, horizon: int) -> int:
 
 def mark_trained_turns(trajs: list[Trajectory], depth: int, mode: str) -> None:
     """Set each turn's :attr:`~opd.trajectory.Turn.trained`: the first ``depth`` turns of every
-    episode (``forward``), the last ``depth`` (``backward``), or all (``off``)."""
+    episode (``forward``), the last ``depth`` (``backward``), or all (``off``); a turn replayed
+    from a reference (``info["replayed"]``) is never trained."""
     for traj in trajs:
         n = len(traj.turns)
         for t, turn in enumerate(traj.turns):
-            turn.trained = mode == "off" or (t < depth if mode == "forward" else t >= n - depth)
+            window = mode == "off" or (t < depth if mode == "forward" else t >= n - depth)
+            turn.trained = window and not turn.info.get("replayed", False)
 
 
 def horizon_of(cfg: Any, env: Any = None) -> int:
@@ -83,32 +86,78 @@ def horizon_of(cfg: Any, env: Any = None) -> int:
     return int(turns)
 
 
-class DepthCurriculum:
-    """A run's turn-depth curriculum: the episode settings of each step, and its turns' marks."""
+def prefix_fraction_at(cfg: CurriculumConfig, step: int) -> float:
+    """The longest prefix at ``step``, as a share of its reference's turns: ``prefix_fraction`` at
+    step 1, falling linearly to 0 at ``prefix_end_step``."""
+    if cfg.prefix_source == "off" or step >= cfg.prefix_end_step:
+        return 0.0
+    return cfg.prefix_fraction * (1 - (step - 1) / max(cfg.prefix_end_step - 1, 1))
 
-    def __init__(self, cfg: Any):
+
+def draw_starts(cfg: CurriculumConfig, references: dict, tasks: list[str], seed: int,
+                step: int) -> tuple[tuple[tuple[str, str], ...], ...]:
+    """Step ``step``'s starts, one per episode: ``prefix_share`` of them (a pure function of
+    ``(seed, step)``) replay the first L turns of their task's reference, L drawn evenly from 0
+    to the step's share of its turns (never the last turn: the student always plays one); the
+    others start from the reset (an empty start)."""
+    rng = random.Random(f"{seed}:{step}:prefix")
+    fraction = prefix_fraction_at(cfg, step)
+    starts = []
+    for task in tasks:
+        ref = references.get(task)
+        chosen = rng.random() < cfg.prefix_share
+        longest = int(fraction * (len(ref.actions) - 1)) if ref is not None else 0
+        length = rng.randint(0, longest) if chosen and longest > 0 else 0
+        starts.append(tuple(zip(ref.actions[:length], ref.observations[:length])) if length else ())
+    return tuple(starts)
+
+
+class Curriculum:
+    """A run's curriculum: each step's episode settings (a forward depth's turns, the prefixes
+    its episodes start from) and which of their turns train.
+
+    Args:
+        cfg: the recipe.
+        references: ``tasks -> {task: Reference}``, the prefixes' reference episodes (the driver
+            loads them as ActFirst's, :func:`opd.rollout.references.load_references`); needed
+            when ``curriculum.prefix_source`` is on.
+    """
+
+    def __init__(self, cfg: Any, references: Callable[[list[str]], dict] | None = None):
         self.cfg = cfg.curriculum
+        self.seed = int(cfg.run.seed)
         self.horizon = horizon_of(cfg) if self.cfg.depth != "off" else 0
+        self.references = references
 
     @property
     def on(self) -> bool:
-        return self.cfg.depth != "off"
+        return self.cfg.depth != "off" or self.cfg.prefix_source != "off"
 
     def depth(self, step: int) -> int:
-        return depth_at(self.cfg, step, self.horizon) if self.on else 0
+        return depth_at(self.cfg, step, self.horizon) if self.cfg.depth != "off" else 0
 
-    def settings(self, settings: Any, step: int) -> Any:
-        """``settings`` for step ``step``'s episodes: a forward curriculum plays ``depth`` turns."""
+    def settings(self, settings: Any, step: int, tasks: list[str] | None = None) -> Any:
+        """``settings`` for step ``step``'s episodes of ``tasks``: a forward curriculum plays
+        ``depth`` turns; episodes start from their drawn prefixes."""
         if self.cfg.depth == "forward" and self.depth(step) < self.horizon:
-            return replace(settings, max_turns=self.depth(step))
+            settings = replace(settings, max_turns=self.depth(step))
+        if tasks is not None and prefix_fraction_at(self.cfg, step) > 0 and self.references is not None:
+            settings = replace(settings, starts=draw_starts(self.cfg, self.references(tasks), tasks, self.seed, step))
         return settings
 
     def mark(self, trajs: list[Trajectory], step: int) -> dict[str, float]:
-        """Mark step ``step``'s episodes' trained turns; the metrics to log (none when off)."""
+        """Mark step ``step``'s episodes' trained turns (the replayed ones are context already);
+        the metrics to log (none when off)."""
         if not self.on:
             return {}
-        depth = self.depth(step)
-        mark_trained_turns(trajs, depth, self.cfg.depth if depth < self.horizon else "off")
+        metrics = {}
+        if self.cfg.depth != "off":
+            depth = self.depth(step)
+            mark_trained_turns(trajs, depth, self.cfg.depth if depth < self.horizon else "off")
+            metrics["curriculum/depth"] = float(depth)
         turns = [turn for traj in trajs for turn in traj.turns]
-        return {"curriculum/depth": float(depth),
-                "curriculum/trained_turn_share": sum(t.trained for t in turns) / max(len(turns), 1)}
+        replayed = [sum(1 for t in traj.turns if t.info.get("replayed")) for traj in trajs]
+        if self.cfg.prefix_source != "off":
+            metrics["curriculum/prefix_turns"] = sum(replayed) / max(len(trajs), 1)
+        metrics["curriculum/trained_turn_share"] = sum(t.trained for t in turns) / max(len(turns), 1)
+        return metrics

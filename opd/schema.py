@@ -177,8 +177,8 @@ class PivotConfig:
 
 @dataclass
 class CurriculumConfig:
-    """Which turns of its episodes the student learns in (docs/curricula.md): TCOD's turn-depth
-    curriculum (arXiv 2604.24005)."""
+    """Which states the student learns in (docs/curricula.md): TCOD's turn-depth curriculum
+    (arXiv 2604.24005), and starts from replayed prefixes of reference episodes (ReOPD)."""
 
     depth: Literal["off", "forward", "backward"] = "off"  # off: every turn trains | forward: the first d
     # turns are played and trained | backward: every turn is played, the last d train
@@ -188,6 +188,13 @@ class CurriculumConfig:
     schedule: Literal["linear", "step"] = "linear"  # linear: d grows evenly from step 1 to full_depth_step |
     # step: in `stages` equal jumps
     stages: int = 4  # schedule: step: how many jumps
+    prefix_source: Literal["off", "expert", "teacher", "dataset"] = "off"  # start episodes from a replayed prefix of
+    # a reference episode (ReOPD): the env's expert's | the teacher's | a dataset's (actfirst.reference_dataset);
+    # built and stored as ActFirst's references (docs/actfirst.md)
+    prefix_share: float = 1.0  # the share of each step's episodes that start from a prefix
+    prefix_fraction: float = 0.5  # at step 1 a prefix is up to this share of its reference's turns (drawn evenly)
+    prefix_end_step: int = 0  # the step from which no episode starts from a prefix (the longest prefix falls
+    # linearly from prefix_fraction at step 1 to none there)
 
 
 @dataclass
@@ -357,7 +364,8 @@ BOUNDS: dict[type, dict[str, Bound]] = {
     ActFirstConfig: {"action_max_new_tokens": _TOKENS},
     PivotConfig: {"recovery_turns": Bound(0, 1_000), "judge_max_new_tokens": _TOKENS, "hint_top_k": Bound(1, 1_000_000)},
     CurriculumConfig: {"start_depth": Bound(1, 100_000), "full_depth_step": Bound(0, 10**9), "horizon": Bound(0, 100_000),
-                       "stages": Bound(1, 100_000)},
+                       "stages": Bound(1, 100_000), "prefix_share": _PROB, "prefix_fraction": Bound(0, 1, high_strict=True),
+                       "prefix_end_step": Bound(0, 10**9)},
     LossConfig: {"weight": Bound(-1e6, 1e6)},
     TrainerConfig: {"learning_rate": Bound(0, 1, low_strict=True), "warmup_steps": Bound(0, 10**9),
                     "min_lr_ratio": _PROB, "weight_decay": Bound(0, 100), "adam_beta1": Bound(0, 1, high_strict=True),

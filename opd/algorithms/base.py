@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Protocol
 
 from opd.chat import ChatFormat
-from opd.curriculum import DepthCurriculum
+from opd.curriculum import Curriculum
 from opd.envs import EnvFactory
 from opd.generation.base import Engine, TokenScores
 from opd.rollout.vanilla import EpisodeSettings
@@ -157,8 +157,8 @@ class RunContext:
         rollouts: the student's training episodes of each step, played when asked or one step
             ahead (``run.async_steps``); the algorithms take them through
             :func:`opd.algorithms.step.student_episodes`.
-        curriculum: the turn-depth curriculum (:mod:`opd.curriculum`): each step's episode
-            settings (:meth:`settings_for`) and which of its turns train.
+        curriculum: the curriculum (:mod:`opd.curriculum`): each step's episode settings
+            (:meth:`settings_for`) and which of its turns train.
     """
 
     cfg: OPDConfig
@@ -171,11 +171,14 @@ class RunContext:
     fmt: ChatFormat
     episodes: EpisodeRecorder = field(default_factory=NoRecorder)
     rollouts: StepRollouts = field(default_factory=lambda: StepRollouts(0, 0))
-    curriculum: DepthCurriculum | None = None
+    curriculum: Curriculum | None = None
 
-    def settings_for(self, step: int) -> EpisodeSettings:
-        """Step ``step``'s training episode settings (a forward depth curriculum plays fewer turns)."""
-        return self.curriculum.settings(self.train_settings, step) if self.curriculum is not None else self.train_settings
+    def settings_for(self, step: int, tasks: list[str] | None = None) -> EpisodeSettings:
+        """Step ``step``'s training episode settings for its ``tasks`` (a forward depth curriculum
+        plays fewer turns; a prefix curriculum starts them from replayed reference turns)."""
+        if self.curriculum is None:
+            return self.train_settings
+        return self.curriculum.settings(self.train_settings, step, tasks)
 
 
 @dataclass
@@ -216,11 +219,12 @@ class StepRollouts:
             staleness = self.updates - started_at
         else:
             self._next = None  # a step other than the one started (a resumed run): play it now
-            trajs, gen = ctx.workers.collect("student", ctx.env_factory, draw[0], ctx.settings_for(step), draw[1])
+            settings = ctx.settings_for(step, draw[0])
+            trajs, gen = ctx.workers.collect("student", ctx.env_factory, draw[0], settings, draw[1])
             staleness = 0
         if next_draw is not None:
-            pending = ctx.workers.collect_later("student", ctx.env_factory, next_draw[0], ctx.settings_for(step + 1),
-                                                next_draw[1])
+            settings = ctx.settings_for(step + 1, next_draw[0])
+            pending = ctx.workers.collect_later("student", ctx.env_factory, next_draw[0], settings, next_draw[1])
             self._next = (step + 1, pending, self.updates)
         return trajs, gen, staleness
 

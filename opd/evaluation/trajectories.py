@@ -37,8 +37,8 @@ in ``response_ids``), ``observation`` (the environment's answer), ``reward``, ``
 sampling policy's, one per response token), ``teacher_logprobs`` (the teacher's, in its view;
 empty where not scored) and ``marks`` (``pivot`` and ``recovery``: PivotOPD's pivotal turn and
 the turns after it that got a self-teacher response; ``aligned``: an ActFirst turn that acted
-along its reference; ``context``: a turn outside a depth curriculum's window, which carried no
-loss).
+along its reference; ``context``: a turn that carried no loss, outside a depth curriculum's
+window or ``replayed`` from a reference before the student played).
 
 Example:
     >>> write_episodes(path, episode_rows(trajs, tokenizer, step=5, kind="train", scores=scores))  # doctest: +SKIP
@@ -93,7 +93,8 @@ def episode_rows(trajs: Sequence[Trajectory], tokenizer: Any, step: int, kind: s
                 "response_tokens": tokenizer.batch_decode([[x] for x in turn.response_ids]),
                 "behaviour_logprobs": [_finite(x) for x in turn.response_logprobs],
                 "teacher_logprobs": [_finite(x) for x in teacher[offset:offset + n]],
-                "marks": list((marks or {}).get(i, {}).get(t, [])) + ([] if turn.trained else ["context"]),
+                "marks": list((marks or {}).get(i, {}).get(t, [])) + ([] if turn.trained else ["context"])
+                + (["replayed"] if turn.info.get("replayed") else []),
             })
             offset += n
         rows.append({

@@ -45,6 +45,8 @@ class EpisodeSettings:
     history: str = "full"  # full: past turns keep their whole response | state_grounded: their action only
     report_keys: tuple[str, ...] = ()  # the env's figures, kept in each turn's info (opd.envs.report_keys)
     max_turns: int = 0  # end an episode after this many turns (end_reason "depth_limit"); 0: when the env ends it
+    starts: tuple = ()  # per episode of the step (its index there): the reference turns ((action, observation),
+    # ...) replayed before the student plays, as context (opd.curriculum); () or an empty one: from the reset
 
 
 def episode_settings(cfg: OPDConfig, temperature: float, history: str = "full") -> EpisodeSettings:
@@ -108,6 +110,8 @@ def run_episodes(
         prompt = first_prompt_ids(fmt, tokenizer, result[0], settings.system_prompt)
         contexts[i] = list(prompt)
         pending.append((i, prompt))
+    if settings.starts:
+        pending = replay_starts(trajs, contexts, pending, envs, tokenizer, fmt, settings, first_index)
     turn_no = 0
     while pending:
         params = SamplingParams(
@@ -154,6 +158,60 @@ def run_episodes(
         pending = still
         turn_no += 1
     return trajs
+
+
+class StartMismatch(RuntimeError):
+    """A replayed reference turn whose observation differs from the one the reference recorded."""
+
+
+def replay_starts(trajs: list[Trajectory], contexts: list[list[int]], pending: list[tuple[int, list[int]]], envs,
+                  tokenizer, fmt: ChatFormat, settings: EpisodeSettings, first_index: int) -> list[tuple[int, list[int]]]:
+    """Play each episode's start (``settings.starts[first_index + i]``: reference turns) before
+    the student: each action stepped in the episode's environment, its observation checked
+    against the recorded one (as ``opd compare`` restores a state), and kept as a turn that is
+    context only (``trained`` false; the action as the response, logprob 0). Returns the episodes
+    still live, each with its next prompt.
+
+    Raises:
+        StartMismatch: an observation that is not the recorded one, naming the task and turn.
+    """
+    live = []
+    prompts = dict(pending)
+    starts = {i: settings.starts[first_index + i] for i, _ in pending if first_index + i < len(settings.starts)}
+    for k in range(max((len(turns) for turns in starts.values()), default=0)):
+        playing = [i for i, turns in starts.items() if len(turns) > k and i in prompts]
+        results = envs.step_many([(i, starts[i][k][0]) for i in playing])
+        for i, result in zip(playing, results):
+            action, recorded = starts[i][k]
+            if isinstance(result, EnvFailure):
+                mark_env_error(trajs[i], result)
+                del prompts[i]
+                continue
+            obs, reward, terminated, truncated, info = result
+            if obs != recorded:
+                raise StartMismatch(
+                    f"task {trajs[i].task!r}: replaying the reference's turn {k} ({action!r}) the environment answered "
+                    f"{obs[:120]!r}, but the reference recorded {recorded[:120]!r}; the environment is not "
+                    "deterministic for this task, or the references belong to another environment (see docs/curricula.md)")
+            response = tokenizer.encode(action, add_special_tokens=False) + [fmt.im_end_id]
+            start, end = fmt.action_span(response)
+            turn = Turn(prompt_ids=list(prompts[i]), response_ids=response, response_logprobs=[0.0] * len(response),
+                        action_start=start, action_end=end, action_text=action, observation=obs, reward=float(reward),
+                        terminated=bool(terminated), truncated=bool(truncated),
+                        info={**kept_info(info, settings.report_keys), "replayed": True}, trained=False)
+            trajs[i].turns.append(turn)
+            trajs[i].success = bool(info.get("success", False))
+            if terminated or truncated:  # the reference ended here: nothing left for the student
+                trajs[i].end_reason = "success" if trajs[i].success else ("failure" if terminated else "truncated")
+                del prompts[i]
+                continue
+            prompts[i] = next_prompt_ids(fmt, tokenizer, obs)
+            shown, closing = fmt.shown_and_close_ids(turn, settings.history)
+            contexts[i] += shown + closing + prompts[i]
+    for i, _ in pending:
+        if i in prompts:
+            live.append((i, prompts[i]))
+    return live
 
 
 def episode_seed(seed: int, episode: int, turn: int) -> int:

@@ -50,7 +50,7 @@ from opd.algorithms.base import RunContext, StepRollouts, Workers
 from opd.bootstrap import resolve_model_path
 from opd.chat import ChatFormat
 from opd.config import ConfigError, flatten, to_yaml
-from opd.curriculum import DepthCurriculum
+from opd.curriculum import Curriculum
 from opd.envs import EnvFactory
 from opd.evaluation.heldout import check_sampling, check_teacher, evaluate
 from opd.evaluation.report import render_summary, step_status, training_progress, write_report_plot
@@ -223,6 +223,27 @@ class TrainingRun:
         self.placement: dict[str, list[dict[str, str]]] = {}  # the node of each role's actors (Ray only)
 
     # -- setup ----------------------------------------------------------------------------------
+    def _prefix_references(self) -> Callable[[list[str]], dict] | None:
+        """``tasks -> {task: Reference}`` for a prefix curriculum (``curriculum.prefix_source``):
+        built and stored as ActFirst's references of that source, the teacher's played by the
+        teacher replicas; None without one."""
+        cfg = self.cfg
+        if cfg.curriculum.prefix_source == "off":
+            return None
+        from omegaconf import OmegaConf
+
+        from opd.rollout.references import load_references
+
+        source = OmegaConf.merge(cfg, {"actfirst": {"reference_source": cfg.curriculum.prefix_source}})
+
+        def references(tasks: list[str]) -> dict:
+            def teacher_play(part: list[str]) -> list:
+                return self.workers.collect("teacher", self.ctx.env_factory, part, self.ctx.eval_settings, cfg.run.seed)[0]
+
+            return load_references(source, self.log, tasks, teacher_play)
+
+        return references
+
     def setup(self) -> None:
         """Everything before the first evaluation: see the module docstring."""
         self._check_run_dir()
@@ -242,7 +263,8 @@ class TrainingRun:
                               ChatFormat.from_tokenizer(tokenizers["student"]),
                               RunEpisodes(self.run_dir, tokenizers, cfg.run.trajectory_every_steps,
                                           cfg.run.trajectory_episodes, cfg.run.total_steps),
-                              StepRollouts(cfg.run.async_steps, cfg.run.total_steps), DepthCurriculum(cfg))
+                              StepRollouts(cfg.run.async_steps, cfg.run.total_steps),
+                              Curriculum(cfg, self._prefix_references()))
         self.algorithm = get_algorithm(cfg.algorithm)
         if self.resume:
             self._load_checkpoint()

@@ -1,6 +1,7 @@
-"""A forward turn-depth curriculum through the whole loop (the tiny recipe on the local backend):
-each step logs its depth, plays no more turns than it, trains only those, and the episode files
-mark the rest; a backward one plays every turn and trains the last ones."""
+"""Curricula through the whole loop (the tiny recipe on the local backend): a forward turn-depth
+curriculum logs its depth each step, plays no more turns than it, trains only those, and the
+episode files mark the rest; a backward one plays every turn and trains the last ones; episodes
+that start from the expert's replayed prefixes carry them as context."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _train(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
+def _train(tmp_path: Path, name: str, *overrides: str, key: str = "curriculum/depth") -> list[dict]:
     cache = tmp_path / "cache"
     run_dir = tmp_path / name
     done = subprocess.run(
@@ -26,7 +27,7 @@ def _train(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
         cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if "curriculum/depth" in line]
+            if key in line]
 
 
 def test_a_depth_curriculum_runs_through_the_loop(tmp_path):
@@ -52,3 +53,17 @@ def test_a_depth_curriculum_runs_through_the_loop(tmp_path):
     for e in episodes:
         marks = ["context" in turn["marks"] for turn in e["turns"]]
         assert marks == [True] * (len(marks) - 1) + [False]
+
+
+def test_episodes_start_from_replayed_prefixes_through_the_loop(tmp_path):
+    import pyarrow.parquet as pq
+
+    steps = _train(tmp_path, "prefix", "curriculum.prefix_source=expert", "curriculum.prefix_fraction=0.9",
+                   "curriculum.prefix_end_step=3", key="curriculum/prefix_turns")
+    assert len(steps) == 3 and steps[0]["curriculum/prefix_turns"] > 0 and steps[2]["curriculum/prefix_turns"] == 0
+    assert steps[0]["curriculum/trained_turn_share"] < 1.0 == steps[2]["curriculum/trained_turn_share"]
+    episodes = pq.read_table(next((tmp_path / "prefix" / "trajectories").glob("*step_1*"))).to_pylist()
+    replayed = [["replayed" in turn["marks"] for turn in e["turns"]] for e in episodes]
+    assert any(any(r) for r in replayed)
+    for marks in replayed:  # a prefix, then the student's own turns
+        assert marks == sorted(marks, reverse=True) and not all(marks)

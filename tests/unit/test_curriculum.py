@@ -10,7 +10,7 @@ import torch
 from opd.algorithms.step import build_token_batch
 from opd.chat import student_sequence
 from opd.config import load_config
-from opd.curriculum import DepthCurriculum, depth_at, mark_trained_turns
+from opd.curriculum import Curriculum, depth_at, mark_trained_turns
 from opd.envs import EnvFactory
 from opd.generation.hf import HFEngine
 from opd.rollout.vanilla import EpisodeSettings, run_episodes
@@ -37,7 +37,7 @@ def test_the_recipe_names_what_a_curriculum_lacks(tmp_path):
     with pytest.raises(ConfigError, match=r"curriculum.start_depth' is 9, beyond the horizon of 8 turns"):
         load_config(recipe, ["curriculum.depth=backward", "curriculum.full_depth_step=5", "curriculum.start_depth=9"])
     cfg = load_config(recipe, ["curriculum.depth=forward", "curriculum.full_depth_step=5"])
-    curriculum = DepthCurriculum(cfg)
+    curriculum = Curriculum(cfg)
     assert curriculum.horizon == 8  # FrozenLake's own max_turns, read from the environment
     assert [curriculum.settings(EpisodeSettings(), s).max_turns for s in (1, 3, 5)] == [1, 5, 0]
 
@@ -83,3 +83,79 @@ def test_no_loss_on_a_turn_outside_the_window(tokenizer, fmt, tiny_model_dir, mo
     mark_trained_turns(trajs, 2, "off")  # off again: every response token carries loss
     whole = build_token_batch(trajs, None, fmt.pad_id, fmt).loss_mask_BT
     assert whole.sum(1).tolist() == [float(t.num_response_tokens) for t in trajs]
+
+
+# -- starts from replayed reference prefixes (ReOPD) ----------------------------------------------
+class RecordingEngine:
+    """The real engine, remembering every prompt it was asked to continue."""
+
+    def __init__(self, engine):
+        self.engine, self.prompts = engine, []
+
+    def generate(self, prompts, params):
+        self.prompts += [list(p) for p in prompts]
+        return self.engine.generate(prompts, params)
+
+
+def _expert_references(tasks):
+    from opd.rollout.references import expert_reference
+
+    env = FROZENLAKE()
+    return {task: expert_reference(env, task, seed=0) for task in tasks}
+
+
+def test_a_prefix_schedule_and_its_draws():
+    from opd.curriculum import draw_starts, prefix_fraction_at
+
+    cfg = CurriculumConfig(prefix_source="expert", prefix_fraction=0.8, prefix_end_step=5)
+    assert [prefix_fraction_at(cfg, s) for s in (1, 3, 5, 9)] == pytest.approx([0.8, 0.4, 0.0, 0.0])
+    tasks = FROZENLAKE().unwrapped.task_ids("train")[:8]
+    refs = _expert_references(tasks)
+    starts = draw_starts(cfg, refs, tasks, seed=0, step=1)
+    assert starts == draw_starts(cfg, refs, tasks, seed=0, step=1)  # a pure function of (seed, step)
+    for task, start in zip(tasks, starts):
+        ref = refs[task]
+        assert len(start) <= int(0.8 * (len(ref.actions) - 1))  # never the reference's last turn
+        assert start == tuple(zip(ref.actions, ref.observations))[:len(start)]
+    assert any(starts), "some episode should start from a prefix"
+    assert not any(draw_starts(cfg, refs, tasks, seed=0, step=5))  # the schedule has ended
+    assert not any(draw_starts(CurriculumConfig(prefix_source="expert", prefix_share=0.0, prefix_end_step=5),
+                               refs, tasks, seed=0, step=1))
+
+
+def test_replayed_prefixes_restore_the_recorded_states_and_carry_no_loss(tokenizer, fmt, tiny_model_dir):
+    tasks = FROZENLAKE().unwrapped.task_ids("train")[:6]
+    refs = _expert_references(tasks)
+    lengths = [min(k % 3 + 1, len(refs[t].actions) - 1) for k, t in enumerate(tasks)]
+    starts = tuple(tuple(zip(refs[t].actions[:n], refs[t].observations[:n])) for t, n in zip(tasks, lengths))
+    engine = RecordingEngine(HFEngine.from_pretrained(tiny_model_dir))
+    settings = EpisodeSettings(max_new_tokens=6, env_isolation="inprocess", starts=starts)
+    trajs = run_episodes(engine, FROZENLAKE, tasks, tokenizer, fmt, settings, seed=3)
+    for traj, n, task in zip(trajs, lengths, tasks):
+        replayed = traj.turns[:n]
+        assert [t.action_text for t in replayed] == list(refs[task].actions[:n])
+        assert [t.observation for t in replayed] == list(refs[task].observations[:n])  # the recorded states
+        assert all(not t.trained and t.info["replayed"] and t.response_logprobs == [0.0] * len(t.response_ids)
+                   for t in replayed)
+        assert len(traj.turns) > n and all(t.trained and "replayed" not in t.info for t in traj.turns[n:])
+    # The student continued from the replayed context, token for token what it trains on.
+    for traj, n in zip(trajs, lengths):
+        row = student_sequence(traj, fmt)
+        first_own = row["input_ids"][:row["response_positions"][n][0]]
+        assert first_own in engine.prompts
+    batch = build_token_batch(trajs, None, fmt.pad_id, fmt)
+    for b, (traj, n) in enumerate(zip(trajs, lengths)):
+        positions = student_sequence(traj, fmt)["response_positions"]
+        assert all(batch.loss_mask_BT[b, s:e].sum() == 0 for s, e in positions[:n])
+        assert all(batch.loss_mask_BT[b, s:e].sum() == e - s for s, e in positions[n:])
+
+
+def test_a_prefix_that_does_not_replay_names_the_task_and_turn(tokenizer, fmt, tiny_model_dir):
+    from opd.rollout.vanilla import StartMismatch
+
+    task = FROZENLAKE().unwrapped.task_ids("train")[0]
+    ref = _expert_references([task])[task]
+    wrong = ((ref.actions[0], ref.observations[0]), (ref.actions[1], "You fell into a hole."))
+    settings = EpisodeSettings(max_new_tokens=6, env_isolation="inprocess", starts=(wrong,))
+    with pytest.raises(StartMismatch, match=rf"task '{task}': replaying the reference's turn 1 \('{ref.actions[1]}'\)"):
+        run_episodes(HFEngine.from_pretrained(tiny_model_dir), FROZENLAKE, [task], tokenizer, fmt, settings, seed=3)
