@@ -404,6 +404,23 @@ def _validate_curriculum(cfg: OPDConfig, source: str) -> None:
         if cur.prefix_source == "dataset" and not cfg.actfirst.reference_dataset:
             raise ConfigError(f"{source}: key 'curriculum.prefix_source' is 'dataset' but 'actfirst.reference_dataset' "
                               "is empty; give the path of your reference episodes (docs/actfirst.md has the format).")
+    if cur.guide_share > 0:
+        if cur.guide_end_step < 1:
+            raise ConfigError(f"{source}: key 'curriculum.guide_end_step' is {cur.guide_end_step}: with "
+                              f"'curriculum.guide_share: {cur.guide_share:g}' name the step from which the student "
+                              f"plays every turn (e.g. half of run.total_steps={cfg.run.total_steps}).")
+        if cfg.supervision.cross_tokenizer:
+            raise ConfigError(f"{source}: key 'curriculum.guide_share' is {cur.guide_share:g}, but the teacher's "
+                              "tokenizer differs from the student's (supervision.cross_tokenizer): its turns could not "
+                              "join the student's token ids; set it to 0.")
+        if cfg.algorithm == "actfirst_opd":
+            raise ConfigError(f"{source}: key 'curriculum.guide_share' is {cur.guide_share:g}, but actfirst_opd plays "
+                              "its episodes its own way (fast actions along references); set it to 0.")
+        from opd.algorithms import get_algorithm
+
+        if not get_algorithm(cfg.algorithm).uses_teacher:
+            raise ConfigError(f"{source}: key 'curriculum.guide_share' is {cur.guide_share:g}, but algorithm "
+                              f"{cfg.algorithm!r} runs without a teacher to play the turns; set it to 0.")
     if cur.depth == "off":
         return
     if cur.full_depth_step < 1:

@@ -50,13 +50,26 @@ def depth_at(cfg: CurriculumConfig, step: int, horizon: int) -> int:
 
 def mark_trained_turns(trajs: list[Trajectory], depth: int, mode: str) -> None:
     """Set each turn's :attr:`~opd.trajectory.Turn.trained`: the first ``depth`` turns of every
-    episode (``forward``), the last ``depth`` (``backward``), or all (``off``); a turn replayed
-    from a reference (``info["replayed"]``) is never trained."""
+    episode (``forward``), the last ``depth`` (``backward``), or all (``off``); a turn the student
+    did not play (:func:`is_context`) is never trained."""
     for traj in trajs:
         n = len(traj.turns)
         for t, turn in enumerate(traj.turns):
             window = mode == "off" or (t < depth if mode == "forward" else t >= n - depth)
-            turn.trained = window and not turn.info.get("replayed", False)
+            turn.trained = window and not is_context(turn)
+
+
+def is_context(turn) -> bool:
+    """A turn the student did not play: replayed from a reference, or played by the teacher."""
+    return bool(turn.info.get("replayed") or turn.info.get("teacher_played"))
+
+
+def guide_share_at(cfg: CurriculumConfig, step: int) -> float:
+    """The share of turns the teacher plays at ``step``: ``guide_share`` at step 1, falling
+    linearly to 0 at ``guide_end_step``."""
+    if cfg.guide_share <= 0 or step >= cfg.guide_end_step:
+        return 0.0
+    return cfg.guide_share * (1 - (step - 1) / max(cfg.guide_end_step - 1, 1))
 
 
 def horizon_of(cfg: Any, env: Any = None) -> int:
@@ -131,7 +144,7 @@ class Curriculum:
 
     @property
     def on(self) -> bool:
-        return self.cfg.depth != "off" or self.cfg.prefix_source != "off"
+        return self.cfg.depth != "off" or self.cfg.prefix_source != "off" or self.cfg.guide_share > 0
 
     def depth(self, step: int) -> int:
         return depth_at(self.cfg, step, self.horizon) if self.cfg.depth != "off" else 0
@@ -143,6 +156,8 @@ class Curriculum:
             settings = replace(settings, max_turns=self.depth(step))
         if tasks is not None and prefix_fraction_at(self.cfg, step) > 0 and self.references is not None:
             settings = replace(settings, starts=draw_starts(self.cfg, self.references(tasks), tasks, self.seed, step))
+        if guide_share_at(self.cfg, step) > 0:
+            settings = replace(settings, guide_share=guide_share_at(self.cfg, step))
         return settings
 
     def mark(self, trajs: list[Trajectory], step: int) -> dict[str, float]:
@@ -156,8 +171,10 @@ class Curriculum:
             mark_trained_turns(trajs, depth, self.cfg.depth if depth < self.horizon else "off")
             metrics["curriculum/depth"] = float(depth)
         turns = [turn for traj in trajs for turn in traj.turns]
-        replayed = [sum(1 for t in traj.turns if t.info.get("replayed")) for traj in trajs]
         if self.cfg.prefix_source != "off":
-            metrics["curriculum/prefix_turns"] = sum(replayed) / max(len(trajs), 1)
+            metrics["curriculum/prefix_turns"] = sum(bool(t.info.get("replayed")) for t in turns) / max(len(trajs), 1)
+        if self.cfg.guide_share > 0:
+            metrics["curriculum/guide_share"] = guide_share_at(self.cfg, step)
+            metrics["curriculum/teacher_turns"] = sum(bool(t.info.get("teacher_played")) for t in turns) / max(len(trajs), 1)
         metrics["curriculum/trained_turn_share"] = sum(t.trained for t in turns) / max(len(turns), 1)
         return metrics

@@ -178,7 +178,8 @@ class PivotConfig:
 @dataclass
 class CurriculumConfig:
     """Which states the student learns in (docs/curricula.md): TCOD's turn-depth curriculum
-    (arXiv 2604.24005), and starts from replayed prefixes of reference episodes (ReOPD)."""
+    (arXiv 2604.24005), starts from replayed prefixes of reference episodes (ReOPD), and turns
+    played by the teacher inside the student's episodes (Guided-OPD)."""
 
     depth: Literal["off", "forward", "backward"] = "off"  # off: every turn trains | forward: the first d
     # turns are played and trained | backward: every turn is played, the last d train
@@ -195,6 +196,8 @@ class CurriculumConfig:
     prefix_fraction: float = 0.5  # at step 1 a prefix is up to this share of its reference's turns (drawn evenly)
     prefix_end_step: int = 0  # the step from which no episode starts from a prefix (the longest prefix falls
     # linearly from prefix_fraction at step 1 to none there)
+    guide_share: float = 0.0  # the share of the student's turns the teacher plays at step 1 (Guided-OPD), as context
+    guide_end_step: int = 0  # the step from which the student plays every turn (the share falls linearly to it)
 
 
 @dataclass
@@ -365,7 +368,8 @@ BOUNDS: dict[type, dict[str, Bound]] = {
     PivotConfig: {"recovery_turns": Bound(0, 1_000), "judge_max_new_tokens": _TOKENS, "hint_top_k": Bound(1, 1_000_000)},
     CurriculumConfig: {"start_depth": Bound(1, 100_000), "full_depth_step": Bound(0, 10**9), "horizon": Bound(0, 100_000),
                        "stages": Bound(1, 100_000), "prefix_share": _PROB, "prefix_fraction": Bound(0, 1, high_strict=True),
-                       "prefix_end_step": Bound(0, 10**9)},
+                       "prefix_end_step": Bound(0, 10**9), "guide_share": Bound(0, 1, high_strict=True),
+                       "guide_end_step": Bound(0, 10**9)},
     LossConfig: {"weight": Bound(-1e6, 1e6)},
     TrainerConfig: {"learning_rate": Bound(0, 1, low_strict=True), "warmup_steps": Bound(0, 10**9),
                     "min_lr_ratio": _PROB, "weight_decay": Bound(0, 100), "adam_beta1": Bound(0, 1, high_strict=True),

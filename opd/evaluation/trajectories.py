@@ -38,7 +38,7 @@ sampling policy's, one per response token), ``teacher_logprobs`` (the teacher's,
 empty where not scored) and ``marks`` (``pivot`` and ``recovery``: PivotOPD's pivotal turn and
 the turns after it that got a self-teacher response; ``aligned``: an ActFirst turn that acted
 along its reference; ``context``: a turn that carried no loss, outside a depth curriculum's
-window or ``replayed`` from a reference before the student played).
+window, ``replayed`` from a reference before the student played, or played by the ``teacher``).
 
 Example:
     >>> write_episodes(path, episode_rows(trajs, tokenizer, step=5, kind="train", scores=scores))  # doctest: +SKIP
@@ -94,7 +94,8 @@ def episode_rows(trajs: Sequence[Trajectory], tokenizer: Any, step: int, kind: s
                 "behaviour_logprobs": [_finite(x) for x in turn.response_logprobs],
                 "teacher_logprobs": [_finite(x) for x in teacher[offset:offset + n]],
                 "marks": list((marks or {}).get(i, {}).get(t, [])) + ([] if turn.trained else ["context"])
-                + (["replayed"] if turn.info.get("replayed") else []),
+                + (["replayed"] if turn.info.get("replayed") else [])
+                + (["teacher"] if turn.info.get("teacher_played") else []),
             })
             offset += n
         rows.append({

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from opd.chat import ChatFormat, first_prompt_ids, next_prompt_ids
@@ -47,6 +48,7 @@ class EpisodeSettings:
     max_turns: int = 0  # end an episode after this many turns (end_reason "depth_limit"); 0: when the env ends it
     starts: tuple = ()  # per episode of the step (its index there): the reference turns ((action, observation),
     # ...) replayed before the student plays, as context (opd.curriculum); () or an empty one: from the reset
+    guide_share: float = 0.0  # the share of the student's turns the teacher plays, as context (Guided-OPD)
 
 
 def episode_settings(cfg: OPDConfig, temperature: float, history: str = "full") -> EpisodeSettings:
@@ -74,6 +76,7 @@ def run_episodes(
     seed: int,
     envs=None,
     first_index: int = 0,
+    guide=None,
 ) -> list[Trajectory]:
     """Play one episode per task with the policy in ``engine``.
 
@@ -90,6 +93,8 @@ def run_episodes(
             environments made from ``env_factory`` in this process.
         first_index: the index of ``tasks[0]`` among the step's episodes: a step's episodes
             split among rollout replicas sample as they would in one call.
+        guide: the teacher's engine: it plays ``settings.guide_share`` of the turns (each drawn
+            from ``(seed, episode, turn)``), from the same context, as context only (not trained).
 
     Returns:
         One :class:`Trajectory` per task, in order.
@@ -97,7 +102,7 @@ def run_episodes(
     if envs is None:
         with InProcessEnvs(env_factory) as local:
             return run_episodes(engine, env_factory, tasks, tokenizer, fmt, settings, seed, envs=local,
-                                first_index=first_index)
+                                first_index=first_index, guide=guide)
     trajs = [Trajectory(task=task) for task in tasks]
     contexts: list[list[int]] = [[] for _ in tasks]
     pending = []
@@ -114,16 +119,23 @@ def run_episodes(
         pending = replay_starts(trajs, contexts, pending, envs, tokenizer, fmt, settings, first_index)
     turn_no = 0
     while pending:
-        params = SamplingParams(
-            max_new_tokens=settings.max_new_tokens,
-            temperature=settings.temperature,
-            stop_token_ids=(fmt.im_end_id,),
-            seed=seed * 1009 + turn_no,
-            seeds=tuple(episode_seed(seed, first_index + i, turn_no) for i, _ in pending),
-        )
-        completions = engine.generate([contexts[i] for i, _ in pending], params)
+        guided = {i for i, _ in pending if guide is not None and guided_turn(seed, first_index + i, turn_no,
+                                                                            settings.guide_share)}
+        completions = {}
+        for player, rows in ((engine, [i for i, _ in pending if i not in guided]), (guide, sorted(guided))):
+            if not rows:
+                continue
+            params = SamplingParams(
+                max_new_tokens=settings.max_new_tokens,
+                temperature=settings.temperature,
+                stop_token_ids=(fmt.im_end_id,),
+                seed=seed * 1009 + turn_no,
+                seeds=tuple(episode_seed(seed, first_index + i, turn_no) for i in rows),
+            )
+            completions.update(zip(rows, player.generate([contexts[i] for i in rows], params)))
         turns = []
-        for (i, prompt), completion in zip(pending, completions):
+        for i, prompt in pending:
+            completion = completions[i]
             response = completion.response_ids
             start, end = fmt.action_span(response)
             action_text = tokenizer.decode(response[start:end], skip_special_tokens=True)
@@ -141,6 +153,8 @@ def run_episodes(
             turn.observation, turn.reward = obs, float(reward)
             turn.terminated, turn.truncated = bool(terminated), bool(truncated)
             turn.info = kept_info(info, settings.report_keys)
+            if i in guided:  # the teacher played it: context for the student, not trained on
+                turn.info["teacher_played"], turn.trained = True, False
             trajs[i].success = bool(info.get("success", False))
             if terminated or truncated:
                 trajs[i].end_reason = "success" if trajs[i].success else ("failure" if terminated else "truncated")
@@ -212,6 +226,12 @@ def replay_starts(trajs: list[Trajectory], contexts: list[list[int]], pending: l
         if i in prompts:
             live.append((i, prompts[i]))
     return live
+
+
+def guided_turn(seed: int, episode: int, turn: int, share: float) -> bool:
+    """Whether the teacher plays ``episode``'s turn ``turn`` (a pure function of the call's seed:
+    a resumed run, and any split among replicas, picks the same turns)."""
+    return share > 0 and random.Random(f"{seed}:{episode}:{turn}:guide").random() < share
 
 
 def episode_seed(seed: int, episode: int, turn: int) -> int:

@@ -156,7 +156,9 @@ class RayWorkers:
         role, hosts = self._hosts(who)
         refs = []
         for first, part in shares(tasks, len(hosts)):
-            refs.append(hosts[len(refs)].collect.remote(env_factory, part, settings, seed, first))
+            # the student's guided turns (curriculum.guide_share) are played by a teacher replica
+            guide = self.teachers[len(refs) % len(self.teachers)] if who == "student" and settings.guide_share else None
+            refs.append(hosts[len(refs)].collect.remote(env_factory, part, settings, seed, first, guide))
         return role, refs
 
     def collect(self, who: Role, env_factory: EnvFactory, tasks: list[str], settings: EpisodeSettings,

@@ -78,7 +78,8 @@ class LocalWorkers:
     def collect(self, who: Role, env_factory: EnvFactory, tasks: list[str], settings: EpisodeSettings,
                 seed: int) -> tuple[list[Trajectory], dict[str, float]]:
         role, host = self._host(who)
-        return self._call(role, "collect", host.collect, env_factory, tasks, settings, seed)
+        guide = self.teacher if who == "student" and settings.guide_share else None  # curriculum.guide_share
+        return self._call(role, "collect", host.collect, env_factory, tasks, settings, seed, 0, guide)
 
     def collect_later(self, who: Role, env_factory: EnvFactory, tasks: list[str], settings: EpisodeSettings,
                       seed: int) -> "_Done":

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from opd.envs import EnvFactory
 from opd.generation.base import TokenScores
@@ -154,9 +154,10 @@ class PolicyWorker:
             self._pool = None
 
     def collect(self, env_factory: EnvFactory, tasks: list[str], settings: EpisodeSettings, seed: int,
-                first_index: int = 0) -> tuple[list[Trajectory], dict[str, float]]:
+                first_index: int = 0, guide: Any = None) -> tuple[list[Trajectory], dict[str, float]]:
         """Play one episode per task (``tasks[0]`` the step's episode ``first_index``, see
-        :func:`opd.rollout.vanilla.run_episodes`); returns the trajectories and timing."""
+        :func:`opd.rollout.vanilla.run_episodes`); returns the trajectories and timing. ``guide``
+        (the teacher's worker, or its Ray actor) plays ``settings.guide_share`` of the turns."""
         from opd.rollout.env_pool import pool_counts
         from opd.rollout.vanilla import run_episodes
 
@@ -164,16 +165,43 @@ class PolicyWorker:
         envs = self.envs(env_factory, settings)
         before = pool_counts(envs)
         trajs = run_episodes(self.engine, env_factory, tasks, self.tokenizer, self.fmt, settings, seed, envs=envs,
-                             first_index=first_index)
+                             first_index=first_index, guide=guide_engine(guide))
         seconds = time.perf_counter() - start
         tokens = sum(t.num_response_tokens for t in trajs)
         return trajs, {"generation_s": seconds, "generated_tokens": float(tokens),
                        **{key: n - before[key] for key, n in pool_counts(envs).items()}}
 
+    def generate(self, prompts: list[list[int]], params: Any) -> list:
+        """This worker's engine continues ``prompts`` (another worker's episodes: a teacher
+        playing turns inside the student's, :func:`guide_engine`)."""
+        return self.engine.generate(prompts, params)
+
     def run(self, fn, *args, **kwargs):
         """``fn(self, *args, **kwargs)`` inside this worker: how an algorithm runs its own rollout
         or scoring code next to the engine (``fn`` must be importable, e.g. a module function)."""
         return fn(self, *args, **kwargs)
+
+
+class _ActorEngine:
+    """A worker's engine in another Ray actor, called from this one: ``generate`` waits for it."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    def generate(self, prompts: list[list[int]], params: Any) -> list:
+        import ray
+
+        return ray.get(self.actor.generate.remote(prompts, params))
+
+
+def guide_engine(guide: Any) -> Any:
+    """What generates a guided turn: ``guide``'s engine (a worker in this process), a caller of
+    its Ray actor's ``generate``, or None."""
+    if guide is None:
+        return None
+    if hasattr(getattr(guide, "generate", None), "remote"):  # a Ray actor handle
+        return _ActorEngine(guide)
+    return guide.engine
 
 
 class TeacherWorker(PolicyWorker):

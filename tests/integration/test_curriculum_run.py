@@ -67,3 +67,18 @@ def test_episodes_start_from_replayed_prefixes_through_the_loop(tmp_path):
     assert any(any(r) for r in replayed)
     for marks in replayed:  # a prefix, then the student's own turns
         assert marks == sorted(marks, reverse=True) and not all(marks)
+
+
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_the_teacher_plays_a_falling_share_of_turns_through_the_loop(tmp_path, backend):
+    """On Ray the rollout actor asks a teacher actor for the guided turns."""
+    import pyarrow.parquet as pq
+
+    steps = _train(tmp_path, "guided", f"run.backend={backend}", "curriculum.guide_share=0.6",
+                   "curriculum.guide_end_step=3", key="curriculum/guide_share")
+    assert [s["curriculum/guide_share"] for s in steps] == pytest.approx([0.6, 0.3, 0.0])
+    assert steps[0]["curriculum/teacher_turns"] > 0 and steps[2]["curriculum/teacher_turns"] == 0
+    assert steps[0]["curriculum/trained_turn_share"] < 1.0 == steps[2]["curriculum/trained_turn_share"]
+    episodes = pq.read_table(next((tmp_path / "guided" / "trajectories").glob("*step_1*"))).to_pylist()
+    marked = [turn["marks"] for e in episodes for turn in e["turns"] if "teacher" in turn["marks"]]
+    assert marked and all("context" in marks for marks in marked)

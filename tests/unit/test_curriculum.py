@@ -159,3 +159,46 @@ def test_a_prefix_that_does_not_replay_names_the_task_and_turn(tokenizer, fmt, t
     settings = EpisodeSettings(max_new_tokens=6, env_isolation="inprocess", starts=(wrong,))
     with pytest.raises(StartMismatch, match=rf"task '{task}': replaying the reference's turn 1 \('{ref.actions[1]}'\)"):
         run_episodes(HFEngine.from_pretrained(tiny_model_dir), FROZENLAKE, [task], tokenizer, fmt, settings, seed=3)
+
+
+# -- turns played by the teacher (Guided-OPD) -----------------------------------------------------
+def test_teacher_played_turns_are_the_teachers_and_carry_no_loss(tokenizer, fmt, tiny_model_dir, tmp_path):
+    from opd.curriculum import guide_share_at
+    from opd.models import save_model, tiny_qwen3
+    from opd.rollout.vanilla import guided_turn
+    from opd.schema import TinyArchConfig
+
+    cfg = CurriculumConfig(guide_share=0.6, guide_end_step=4)
+    assert [guide_share_at(cfg, s) for s in (1, 2, 4)] == pytest.approx([0.6, 0.4, 0.0])
+    teacher_dir = tmp_path / "teacher"  # another model with the same tokenizer: its turns are its own
+    save_model(tiny_qwen3(tokenizer, TinyArchConfig(hidden_size=64, num_layers=2, num_heads=1, intermediate_size=128),
+                          seed=1), tokenizer, teacher_dir)
+    student, teacher = RecordingEngine(HFEngine.from_pretrained(tiny_model_dir)), \
+        RecordingEngine(HFEngine.from_pretrained(str(teacher_dir)))
+    tasks = FROZENLAKE().unwrapped.task_ids("train")[:6]
+    settings = EpisodeSettings(max_new_tokens=6, env_isolation="inprocess", guide_share=0.5)
+    trajs = run_episodes(student, FROZENLAKE, tasks, tokenizer, fmt, settings, seed=3, guide=teacher.engine)
+    played = [(i, t) for i, traj in enumerate(trajs) for t, turn in enumerate(traj.turns) if turn.info.get("teacher_played")]
+    assert played and len(played) < sum(len(t.turns) for t in trajs)
+    for i, traj in enumerate(trajs):
+        for t, turn in enumerate(traj.turns):
+            assert turn.trained == (not guided_turn(3, i, t, 0.5)) == ("teacher_played" not in turn.info)
+    # Each guided turn is what the teacher answers from the episode's context, sampled with the
+    # episode's seed (the student's engine never saw that context).
+    from opd.generation.base import SamplingParams
+    from opd.rollout.vanilla import episode_seed
+
+    for i, t in played:
+        row = student_sequence(trajs[i], fmt)
+        context = row["input_ids"][:row["response_positions"][t][0]]
+        assert context not in student.prompts
+        params = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=(fmt.im_end_id,),
+                                seed=3 * 1009 + t, seeds=(episode_seed(3, i, t),))
+        assert teacher.engine.generate([context], params)[0].response_ids == trajs[i].turns[t].response_ids
+    batch = build_token_batch(trajs, None, fmt.pad_id, fmt)
+    for b, traj in enumerate(trajs):
+        positions = student_sequence(traj, fmt)["response_positions"]
+        for (s, e), turn in zip(positions, traj.turns):
+            assert batch.loss_mask_BT[b, s:e].sum() == (e - s if turn.trained else 0)
+    mark_trained_turns(trajs, 2, "off")  # a depth curriculum beside it never trains the teacher's turns
+    assert all(not turn.trained for i, t in played for turn in [trajs[i].turns[t]])
