@@ -157,7 +157,8 @@ class RayWorkers:
         refs = []
         for first, part in shares(tasks, len(hosts)):
             # the student's guided turns (curriculum.guide_share) are played by a teacher replica
-            guide = self.teachers[len(refs) % len(self.teachers)] if who == "student" and settings.guide_share else None
+            guide = (ActorGuide(self.teachers[len(refs) % len(self.teachers)])
+                     if who == "student" and settings.guide_share else None)
             refs.append(hosts[len(refs)].collect.remote(env_factory, part, settings, seed, first, guide))
         return role, refs
 
@@ -208,7 +209,7 @@ class RayWorkers:
         once (gathered from the ranks' shards under ZeRO-3), every replica loads them."""
         start = time.perf_counter()
         exporters = self.trainers if self.gathered_export else self.trainers[:1]
-        refs = [t.export_weights.remote() for t in exporters]
+        refs = [t.export_weights.remote(copy=False) for t in exporters]  # pickled as it returns: no copy needed
         loads = self._await([r.update_weights.remote(refs[0]) for r in self.rollouts], "rollout", "update_weights")
         if len(refs) > 1:
             self._await(refs[1:], "trainer", "export_weights")
@@ -225,6 +226,19 @@ class RayWorkers:
 
     def load_checkpoint(self, directory: str) -> None:
         self._await([t.load_checkpoint.remote(directory) for t in self.trainers], "trainer", "load_checkpoint")
+
+
+@dataclass
+class ActorGuide:
+    """A teacher replica's engine as the rollout actor sees it: ``generate`` asks the teacher's
+    actor and waits (the guided turns of ``curriculum.guide_share``)."""
+
+    actor: Any
+
+    def generate(self, prompts: list[list[int]], params: Any) -> list:
+        import ray
+
+        return ray.get(self.actor.generate.remote(prompts, params))
 
 
 def shares(items: list, parts: int) -> list[tuple[int, list]]:

@@ -157,7 +157,8 @@ class PolicyWorker:
                 first_index: int = 0, guide: Any = None) -> tuple[list[Trajectory], dict[str, float]]:
         """Play one episode per task (``tasks[0]`` the step's episode ``first_index``, see
         :func:`opd.rollout.vanilla.run_episodes`); returns the trajectories and timing. ``guide``
-        (the teacher's worker, or its Ray actor) plays ``settings.guide_share`` of the turns."""
+        (the teacher's worker, or a caller of its Ray actor) plays ``settings.guide_share`` of the
+        turns."""
         from opd.rollout.env_pool import pool_counts
         from opd.rollout.vanilla import run_episodes
 
@@ -182,26 +183,10 @@ class PolicyWorker:
         return fn(self, *args, **kwargs)
 
 
-class _ActorEngine:
-    """A worker's engine in another Ray actor, called from this one: ``generate`` waits for it."""
-
-    def __init__(self, actor: Any):
-        self.actor = actor
-
-    def generate(self, prompts: list[list[int]], params: Any) -> list:
-        import ray
-
-        return ray.get(self.actor.generate.remote(prompts, params))
-
-
 def guide_engine(guide: Any) -> Any:
-    """What generates a guided turn: ``guide``'s engine (a worker in this process), a caller of
-    its Ray actor's ``generate``, or None."""
-    if guide is None:
-        return None
-    if hasattr(getattr(guide, "generate", None), "remote"):  # a Ray actor handle
-        return _ActorEngine(guide)
-    return guide.engine
+    """What generates a guided turn: the engine of ``guide`` (a worker in this process), or
+    ``guide`` itself (anything with ``generate``, e.g. :class:`opd.runtime.actors.ActorGuide`)."""
+    return guide.engine if isinstance(guide, PolicyWorker) else guide
 
 
 class TeacherWorker(PolicyWorker):
