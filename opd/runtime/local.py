@@ -104,7 +104,7 @@ class LocalWorkers:
     def sync_weights(self) -> dict[str, float]:
         """Trainer -> rollout engine: the exported weights, copied into the live model in place."""
         start = time.perf_counter()
-        weights = self._call("trainer", "export_weights", self.trainer.export_weights)
+        weights = self._call("trainer", "export_weights", self.trainer.export_weights, False)  # loaded at once
         load = self._call("rollout", "update_weights", self.rollout.update_weights, weights)
         return {"weight_sync_s": time.perf_counter() - start, "weight_load_s": load["seconds"],
                 "weight_sync_mb": load["bytes"] / 2**20}

@@ -48,7 +48,7 @@ from torch.utils.checkpoint import checkpoint
 from opd.generation.base import TokenScores
 from opd.generation.packed import causal_forward, head_hidden_at, packed_forward
 from opd.losses import combined_loss, needs_reference, resolve_loss
-from opd.models import cpu_copy, load_model, load_tokenizer, save_model
+from opd.models import WireWeights, cpu_copy, load_model, load_tokenizer, save_model
 from opd.schema import TrainerConfig
 from opd.training import lora
 from opd.training.checkpoint import CheckpointError, check_pickles, safe_torch_load
@@ -602,16 +602,21 @@ class StudentTrainer:
         params = [p for p in self.engine.module.parameters() if p.requires_grad or not trained_only]
         return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
-    def export_weights(self) -> "dict[str, torch.Tensor] | lora.LoraUpdate | None":
+    def export_weights(self, copy: bool = True) -> "dict[str, torch.Tensor] | lora.LoraUpdate | None":
         """Full (gathered) weights on CPU, keyed like the HF model's ``state_dict``; a tied tensor
-        is one tensor under both names (:func:`opd.models.cpu_copy`), sent once. A LoRA student
-        sends its adapters only (:class:`opd.training.lora.LoraUpdate`). Rank 0 answers; the
-        other ranks return ``None`` (under ZeRO-3 they must take part in the gather)."""
+        is one tensor under both names (:func:`opd.models.cpu_copy`), sent once, and the dict
+        crosses Ray's object store as zero-copy buffers (:class:`opd.models.WireWeights`). A LoRA
+        student sends its adapters only (:class:`opd.training.lora.LoraUpdate`). Rank 0 answers; the
+        other ranks return ``None`` (under ZeRO-3 they must take part in the gather).
+        ``copy=False`` answers views of the live weights where they are on the CPU and whole (not
+        gathered for the answer, as ZeRO-3's are): for a caller that reads them before the next
+        step (a weight sync; Ray pickles an actor's answer as the method returns)."""
         if self.lora is not None:
             with self._full_parameters(trained_only=True):
                 return lora.adapter_update(self.engine.module) if self.rank == 0 else None
         with self._full_parameters():
-            return cpu_copy(self.engine.module.state_dict()) if self.rank == 0 else None
+            views = not copy and self.zero_stage != 3  # gathered weights are freed when the context ends
+            return WireWeights(cpu_copy(self.engine.module.state_dict(), clone=not views)) if self.rank == 0 else None
 
     # -- checkpoints ------------------------------------------------------------------------
     @property
