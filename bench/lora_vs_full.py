@@ -6,6 +6,7 @@ after the other on this machine.
     .venv/bin/python bench/lora_vs_full.py                  # about an hour on 2 idle cores (and the
                                                             # teacher's build once, 13 minutes)
     .venv/bin/python bench/lora_vs_full.py --seeds 0 1 2    # three seeds each
+    .venv/bin/python bench/lora_vs_full.py --seeds 0 1 2 --students lora   # more seeds of LoRA alone
 
 Per run, from its own files: the trainer's peak resident memory (``memory/trainer_peak_rss_mb``,
 the largest over the steps), the final checkpoint's size (the engine's state, and the whole
@@ -35,8 +36,17 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def kind_of(name: str) -> str:
+    """``full`` or ``lora``: the first word of a run's name."""
+    return name.split()[0].lower()
+
+
+def run_dir_of(name: str, seed: int, out: Path) -> Path:
+    return out / f"{kind_of(name)}-seed{seed}"
+
+
 def run_one(name: str, recipe: str, seed: int, out: Path) -> dict:
-    run_dir = out / f"{name.split()[0].lower()}-seed{seed}"
+    run_dir = run_dir_of(name, seed, out)
     if not (run_dir / "summary.json").is_file():
         start = time.perf_counter()
         cmd = [str(ROOT / ".venv" / "bin" / "opd"), "train", str(ROOT / recipe), f"run.output_dir={run_dir}",
@@ -126,12 +136,15 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--students", nargs="+", choices=["full", "lora"], default=["full", "lora"],
+                        help="the students to train (runs already in --out are reported either way)")
     parser.add_argument("--out", default="runs/bench_lora_vs_full")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    runs = [run_one(name, recipe, seed, out) for seed in args.seeds for name, recipe in RECIPES.items()]
+    runs = [run_one(name, recipe, seed, out) for seed in args.seeds for name, recipe in RECIPES.items()
+            if run_dir_of(name, seed, out).joinpath("summary.json").is_file() or kind_of(name) in args.students]
     lora_runs = [r for r in runs if r["name"].startswith("LoRA")]
     result = {"runs": runs, "export": export_round_trip(Path(lora_runs[0]["run_dir"]), out)}
     (out / "lora_vs_full.json").write_text(json.dumps(result, indent=2))
