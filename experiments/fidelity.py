@@ -8,6 +8,7 @@
     .venv/bin/python experiments/fidelity.py --study multiturn_rl        # GRPO vs its base: pass@k x budget, matched states
     .venv/bin/python experiments/fidelity.py --study smollm2             # a real pretrained student (SmolLM2-135M) on SQL
     .venv/bin/python experiments/fidelity.py --study pivot_ablation      # GRPO, + preventive, PivotOPD
+    .venv/bin/python experiments/fidelity.py --study curricula           # vanilla OPD vs curricula, 8x8 FrozenLake (not run yet)
 
 A study is data: ``recipes/studies/<name>.study.yaml`` names its claim and its arms (a recipe
 under ``recipes/`` and its overrides, in groups compared with each other), run over seeds

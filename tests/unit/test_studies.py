@@ -20,7 +20,8 @@ ARMS = [(study, arm) for study in STUDIES.values() for arm in study.arms]
 
 
 def test_the_shipped_studies_are_all_there():
-    assert set(STUDIES) == {"teachers", "loss", "view", "clinical_reward", "multiturn_rl", "smollm2", "pivot_ablation"}
+    assert set(STUDIES) == {"teachers", "loss", "view", "clinical_reward", "multiturn_rl", "smollm2", "pivot_ablation",
+                            "curricula"}
 
 
 @pytest.mark.parametrize("study,arm", ARMS, ids=[f"{s.name}:{a.group}:{a.label}" for s, a in ARMS])
