@@ -1,14 +1,20 @@
 """Benchmark: prefix-shared (packed) teacher scoring against naive per-turn forwards.
 
-For trajectories of T = 2, 5, 10, 20 turns (FrozenLake observations, responses with a
-reasoning block, state-grounded view), both ways are timed in the same run on the same engine:
+For trajectories of T = 2, 5, 10, 20, 30 and 50 turns (FrozenLake observations, responses with
+a reasoning block, state-grounded view), both ways are timed in the same run on the same engine:
 
 - packed: one forward per trajectory, all turns as branches off one trunk;
 - naive: one forward per turn over the full rendered context (the T requests of a trajectory
   batched together, which is the fair baseline on a CPU).
 
-The model is a 4-layer, 256-wide Qwen3 so that compute, not Python overhead, dominates. Target
-(issue 3): at least T/2 faster at T = 10, with logprobs equal to 1e-4.
+Beside each speed-up, the ideal one the token counts give (the tokens the naive forwards run over
+those of the packed one) and the measured share of it; and the packed pass's peak memory over
+the setup's, each T in a fresh process (``VmHWM``), against the episode's packed tokens, so that a
+pass whose memory grows faster than the episode shows.
+
+The model is a 4-layer, 256-wide Qwen3 so that compute, not Python overhead, dominates. Targets:
+at least T/2 faster at T = 10, with logprobs equal to 1e-4 (issue 3); at least 15x at T = 20, and
+at T = 50 within 80% of the ideal (issue 52).
 
     python -m tests.benchmarks.test_prefix_sharing     # prints the table
 """
@@ -27,7 +33,7 @@ from opd.models import tiny_qwen3, train_chat_tokenizer
 from opd.supervision.teacher_view import naive_requests, pack_trajectory, unpack_scores
 from opd.trajectory import Trajectory, Turn
 
-TURNS = (2, 5, 10, 20)
+TURNS = (2, 5, 10, 20, 30, 50)
 RESPONSE = "<think> plan the route around the holes </think> left"
 
 
@@ -80,10 +86,32 @@ def run_benchmark(n_trajectories: int = 4, repeats: int = 2) -> list[dict]:
         # Packed scoring is cheap, so it gets more repeats: the best of several is what the
         # machine can do when nothing else disturbs it (these machines are noisy).
         packed_s, naive_s = _best_of(packed, 3 * repeats), _best_of(naive, repeats)
+        packed_tokens = len(pack_trajectory(trajs[0], "state_grounded", fmt).input_ids)
+        naive_tokens = sum(len(r.input_ids) for r in naive_requests(trajs[0], "state_grounded", fmt))
         rows.append({"turns": turns, "packed_s": packed_s, "naive_s": naive_s, "speedup": naive_s / packed_s,
-                     "max_abs_diff": diff, "packed_tokens": len(pack_trajectory(trajs[0], "state_grounded", fmt).input_ids),
-                     "naive_tokens": sum(len(r.input_ids) for r in naive_requests(trajs[0], "state_grounded", fmt))})
+                     "max_abs_diff": diff, "packed_tokens": packed_tokens, "naive_tokens": naive_tokens,
+                     "ideal": naive_tokens / packed_tokens, "of_ideal": naive_s / packed_s / (naive_tokens / packed_tokens)})
     return rows
+
+
+def packed_peak_mb(turns: int, n_trajectories: int) -> float:
+    """In a fresh process: the packed pass's peak resident memory over the setup's, in MiB."""
+    import json
+    import subprocess
+    import sys
+
+    code = (f"import json, torch; torch.set_num_threads(2)\n"
+            f"from tests.benchmarks.test_prefix_sharing import _setup, _trajectory, pack_trajectory\n"
+            f"from opd.training.trainer import peak_rss_mb\n"
+            f"env, tokenizer, fmt, engine = _setup()\n"
+            f"trajs = [_trajectory(env, tokenizer, fmt, {turns}) for _ in range({n_trajectories})]\n"
+            f"requests = [pack_trajectory(t, 'state_grounded', fmt) for t in trajs]\n"
+            f"before = peak_rss_mb()\n"
+            f"engine.score(requests, batch_size={n_trajectories})\n"
+            f"print(json.dumps(peak_rss_mb() - before))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.benchmark
@@ -94,13 +122,20 @@ def test_prefix_sharing_is_faster_and_exact():
         assert row["max_abs_diff"] <= 1e-4
     at_ten = next(r for r in rows if r["turns"] == 10)
     assert at_ten["speedup"] >= 10 / 2, at_ten
+    at_twenty, at_fifty = (next(r for r in rows if r["turns"] == t) for t in (20, 50))
+    assert at_twenty["speedup"] >= 15, at_twenty
+    assert at_fifty["of_ideal"] >= 0.8, at_fifty
 
 
 if __name__ == "__main__":
     import torch
 
     torch.set_num_threads(2)
-    print(f"{'T':>3} {'packed ms':>10} {'naive ms':>10} {'speedup':>8} {'max|diff|':>10} {'tokens packed/naive':>20}")
+    print("| T | packed ms | naive ms | speed-up | ideal (tokens) | of ideal | max abs diff | tokens packed / naive "
+          "| packed pass peak MiB | MiB per 1k packed tokens |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in run_benchmark(n_trajectories=8, repeats=3):
-        print(f"{r['turns']:>3} {1000 * r['packed_s']:>10.1f} {1000 * r['naive_s']:>10.1f} {r['speedup']:>8.2f} "
-              f"{r['max_abs_diff']:>10.2e} {r['packed_tokens']:>9}/{r['naive_tokens']}")
+        peak = packed_peak_mb(r["turns"], 8)
+        print(f"| {r['turns']} | {1000 * r['packed_s']:.1f} | {1000 * r['naive_s']:.1f} | {r['speedup']:.2f} | "
+              f"{r['ideal']:.2f} | {r['of_ideal']:.0%} | {r['max_abs_diff']:.2e} | {r['packed_tokens']} / "
+              f"{r['naive_tokens']} | {peak:.0f} | {1000 * peak / (8 * r['packed_tokens']):.2f} |", flush=True)
