@@ -299,12 +299,29 @@ def export_model(run_dir: Path, out: Path, step: int | None = None) -> tuple[int
 
 def _allowed_globals() -> list[Any]:
     """The non-tensor classes DeepSpeed's checkpoints pickle (ZeRO 0-3, fp32 and bf16): plain data
-    holders whose unpickling sets fields and runs no code of the file's choosing."""
+    holders whose unpickling sets fields and runs no code of the file's choosing. And, under the
+    name ``builtins.getattr``, :func:`_enum_member`: Python 3.11.0 to 3.11.4 (Debian 12's 3.11.2,
+    the image's) pickle an enum member as ``getattr(ZeroStageEnum, "optimizer_states")``."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [LossScaler, ZeroStageEnum, fragment_address]
+    return [LossScaler, ZeroStageEnum, fragment_address, (_enum_member, "builtins.getattr")]
+
+
+def _enum_member(cls: Any, name: str) -> Any:
+    """``getattr`` as a weights-only load allows it: a member of an allowed enum, by name, and
+    nothing else (no attribute of any other object)."""
+    import enum
+
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    if cls in (ZeroStageEnum,) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    what = cls.__name__ if isinstance(cls, type) else type(cls).__name__
+    kind = "enum" if isinstance(cls, type) and issubclass(cls, enum.Enum) else "object"
+    raise pickle.UnpicklingError(f"GLOBAL getattr({what}, {name!r}) reaches past the allowed enum members "
+                                 f"(an {kind} attribute)")
 
 
 @contextlib.contextmanager

@@ -154,3 +154,36 @@ def test_a_save_that_runs_out_of_space_leaves_no_partial_and_names_the_sizes(tmp
     (model / "config.json").write_text('{"torch_dtype": "bfloat16"}')
     assert estimated_checkpoint_bytes(model) == 2 * 1000 + 3 * 2000  # twice the weights, AdamW's 3 fp32 copies
     assert estimated_checkpoint_bytes(tmp_path / "nowhere") is None
+
+
+class _ByName:
+    """Pickles as ``getattr(owner, name)``: how Python 3.11.0 to 3.11.4 pickle an enum member (the
+    Docker image's Debian Python 3.11.2 writes DeepSpeed's ZeroStageEnum so)."""
+
+    def __init__(self, owner, name):
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return getattr, (self.owner, self.name)
+
+
+def test_an_enum_member_pickled_by_name_loads_and_nothing_else_does(tmp_path):
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from opd.training.checkpoint import check_pickles, safe_torch_load
+
+    good = tmp_path / "good"
+    good.mkdir()
+    torch.save({"zero_stage": _ByName(ZeroStageEnum, "optimizer_states"), "w": torch.ones(2)}, good / "optim.pt")
+    with safe_torch_load():
+        state = torch.load(good / "optim.pt")
+    assert state["zero_stage"] is ZeroStageEnum.optimizer_states and torch.equal(state["w"], torch.ones(2))
+    check_pickles(good)
+    for owner, name in ((LossScaler, "__init__"), (ZeroStageEnum, "__class__"), (ZeroStageEnum, "_missing_")):
+        bad = tmp_path / f"bad-{name}"
+        bad.mkdir()
+        torch.save({"x": _ByName(owner, name)}, bad / "optim.pt")
+        with pytest.raises(CheckpointError, match="outside the weights-only allow-list"):
+            check_pickles(bad)
