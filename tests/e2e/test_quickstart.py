@@ -36,8 +36,9 @@ def test_quickstart_learns(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     print(json.dumps(summary, indent=2))
     assert summary["steps"] == STEPS
-    # Built from an empty cache the teacher wins 75% of the held-out maps (87% from an older
-    # cache of the same key); what the test needs is room above the student's start to learn into.
+    # The shipped teacher wins 95% of the 100 held-out maps, the student starts at 39% (built here
+    # from an empty cache instead, 75-95% on other machines); what the test needs is room above
+    # the student's start to learn into.
     assert summary["teacher_success"] >= summary["student_success_before"] + 0.25, \
         f"the bootstrapped teacher must be far better than the starting student: {summary}"
     gain = summary["student_success_after"] - summary["student_success_before"]
