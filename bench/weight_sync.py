@@ -144,9 +144,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="SmolLM2 in float32, HF engine, one replica")
     parser.add_argument("--syncs", type=int, default=3)
+    parser.add_argument("--engines", nargs="+", choices=["hf", "vllm"], help="default: hf, and vllm where installed")
     parser.add_argument("--out", default="runs/bench_weight_sync")
     args = parser.parse_args()
-    engines = ["hf"] + (["vllm"] if importlib.util.find_spec("vllm") and not args.quick else [])
+    engines = args.engines or ["hf"] + (["vllm"] if importlib.util.find_spec("vllm") and not args.quick else [])
     models = [("SmolLM2-135M", smollm2_dir)] + ([] if args.quick else [("Qwen3-0.6B shape", qwen3_06b_dir)])
     dtypes = ["float32"] if args.quick else ["float32", "bfloat16"]
     bandwidth = memcpy_bandwidth()
