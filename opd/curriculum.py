@@ -1,4 +1,4 @@
-"""Turn-depth curricula: which turns of its episodes the student learns in, step by step.
+"""Curricula: which states the student learns in, step by step (docs/curricula.md).
 
 On long episodes vanilla multi-turn OPD can break down: an early mistake takes the student into
 states the teacher never visits, where its grades mean little, and the KL climbs while success
@@ -15,7 +15,13 @@ The depth grows ``linear``-ly (evenly, from step 1 to ``full_depth_step``) or in
 (:attr:`opd.trajectory.Turn.trained` is false: no loss on its tokens, in every algorithm's batch)
 and is marked ``context`` in the episode files. Each step logs ``curriculum/depth``.
 
-Departures from the paper: the depth counts turns (its stages are in turns too), the schedule is
+Two more ways to the same end, each falling away on its own schedule: episodes that start from a
+replayed prefix of a reference episode (ReOPD; :func:`draw_starts`, replayed and checked by
+:func:`opd.rollout.vanilla.replay_starts`), and turns the teacher plays inside the student's
+episodes (Guided-OPD; :func:`guide_share_at`, :func:`opd.rollout.vanilla.guided_turn`). Turns the
+student did not play are context too (:func:`is_context`).
+
+Departures from TCOD: the depth counts turns (its stages are in turns too), the schedule is
 by training step rather than by epoch, and the teacher still scores the context turns (their
 scores carry no loss; skipping them would save teacher time, not change the update).
 
