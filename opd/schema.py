@@ -89,11 +89,30 @@ class LoraConfig:
 
 
 @dataclass
+class ServerConfig:
+    """A teacher served over HTTP (``teacher.engine: server``): an OpenAI-compatible completions
+    endpoint that returns prompt logprobs, as ``vllm serve`` does (docs/served_teacher.md)."""
+
+    urls: list[str] = field(default_factory=list)  # base URLs of the server's replicas (http://host:port), used round-robin
+    model: str = ""  # the served model's name (vllm serve --served-model-name, else the path it was started with)
+    api_key_env: str = ""  # environment variable holding the API key (never the key itself); "": none sent
+    timeout_s: float = 120.0  # one HTTP request slower than this has failed (and is retried)
+    connect_timeout_s: float = 5.0  # the start's checks: a server that does not answer within this is down
+    retries: int = 3  # failed attempts of a request (on the other replicas first) before the run stops
+    in_flight: int = 4  # HTTP requests at once
+    prompts_per_request: int = 8  # sequences batched in one request
+    request: Literal["episode", "turn"] = "episode"  # episode: a trajectory's turns share sequences where they can
+    # (never more tokens) | turn: one sequence per turn
+    replica_tolerance: float = 0.02  # largest logprob difference between replicas on the start's probe
+
+
+@dataclass
 class ModelConfig:
     """A causal LM named by hub id or local directory, or built by ``bootstrap``."""
 
     path: str = ""  # hub id or local dir ("smollm2": SmolLM2-135M-Instruct, offline); empty when ``bootstrap`` builds the model
-    engine: Literal["hf", "vllm", "auto"] = "auto"  # auto: vllm when this role's actor has a GPU, hf on CPU
+    engine: Literal["hf", "vllm", "server", "auto"] = "auto"  # auto: vllm when this role's actor has a GPU, hf on
+    # CPU; server (teacher only): a model served over HTTP, see ``server``
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights and compute
     trust_remote_code: bool = False  # run code shipped with the model; off unless you trust it
     allow_download: bool = False  # let a hub id that is not in the local cache be downloaded
@@ -102,6 +121,8 @@ class ModelConfig:
     # resources.<role>_gpus must hold them)
     bootstrap: Optional[BootstrapConfig] = None  # build a tiny model instead of loading one
     lora: LoraConfig = field(default_factory=LoraConfig)  # student only: train LoRA adapters, not every weight
+    server: ServerConfig = field(default_factory=ServerConfig)  # teacher.engine: server: where it is served; ``path``
+    # then names its tokenizer only ("": the student's)
 
 
 @dataclass
@@ -358,6 +379,9 @@ BOUNDS: dict[type, dict[str, Bound]] = {
                       "init_layers": Bound(0, 10_000), "dagger_episodes": Bound(0, 10**7),
                       "dagger_temperature": Bound(0, 100)},
     ModelConfig: {"prefix_cache_mb": Bound(0, 10**7), "tensor_parallel_size": Bound(1, 1_024)},
+    ServerConfig: {"timeout_s": Bound(0, 86_400, low_strict=True), "connect_timeout_s": Bound(0, 3_600, low_strict=True),
+                   "retries": Bound(0, 1_000), "in_flight": Bound(1, 1_024), "prompts_per_request": Bound(1, 65_536),
+                   "replica_tolerance": Bound(0, 100)},
     LoraConfig: {"rank": Bound(0, 65_536), "alpha": Bound(0, 1e6, low_strict=True), "dropout": Bound(0, 1, high_strict=True)},
     EnvConfig: {"timeout_s": Bound(0, 86_400, low_strict=True), "memory_limit_mb": Bound(0, 10**8),
                 "cpu_time_limit_s": Bound(0, 86_400)},

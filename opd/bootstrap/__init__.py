@@ -68,7 +68,7 @@ from opd.bootstrap.shipped import shipped_model
 from opd.models import smollm2_dir, smollm2_model_dir
 from opd.schema import EnvConfig, ModelConfig
 
-__all__ = ["build_bootstrap_model", "existing_model_path", "resolve_model_path"]
+__all__ = ["build_bootstrap_model", "existing_model_path", "resolve_model_path", "resolve_teacher_path"]
 
 
 def resolve_model_path(model_cfg: ModelConfig, env_cfg: EnvConfig, seed: int, log: Callable[[str], None]) -> str:
@@ -83,6 +83,15 @@ def resolve_model_path(model_cfg: ModelConfig, env_cfg: EnvConfig, seed: int, lo
     if model_cfg.path == "smollm2":
         return smollm2_model_dir()
     return model_cfg.path
+
+
+def resolve_teacher_path(cfg, log: Callable[[str], None]) -> str:
+    """The teacher's model directory (:func:`resolve_model_path`); for a teacher served over HTTP
+    (``teacher.engine: server``) the directory of its tokenizer, the student's when
+    ``teacher.path`` is empty (the run's start checks that the server's tokenizer is that one)."""
+    if cfg.teacher.engine == "server" and not cfg.teacher.path:
+        return resolve_model_path(cfg.student, cfg.env, cfg.run.seed + 1, log)
+    return resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, log)
 
 
 def existing_model_path(model_cfg: ModelConfig, env_cfg: EnvConfig, seed: int) -> Path | None:

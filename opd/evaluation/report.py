@@ -134,6 +134,8 @@ def render_summary(console: Any, summary: dict[str, Any], cfg: OPDConfig) -> Non
 
 def _source(model_cfg: ModelConfig) -> str:
     boot = model_cfg.bootstrap
+    if model_cfg.engine == "server":
+        return f"{model_cfg.server.model} served at {', '.join(model_cfg.server.urls)}"
     if boot is None:
         return model_cfg.path
     policy = "the expert" if boot.policy == "expert" else "random valid moves"

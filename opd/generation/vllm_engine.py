@@ -8,9 +8,12 @@ build runs it for real (slowly for tiny models), which is how the tests exercise
   a seed per request, stop tokens and stop strings, and ``n`` samples per prompt.
 - **Scoring** uses prompt logprobs. vLLM has no branch attention mask, so a packed
   :class:`~opd.generation.base.ScoreRequest` is unpacked into one sequence per branch (the trunk
-  before it plus the branch). Those sequences share their prefixes, and vLLM's prefix cache
-  computes each shared prefix once. ``sampled`` and ``topk`` are supported. ``full`` is not,
-  because vLLM returns at most a top-k; use the ``hf`` engine for a colocated teacher.
+  before it plus the branch; the trunk itself only where turns are scored on it,
+  :func:`scored_sequences`). Those sequences share their prefixes, but vLLM does not read its
+  prefix cache for a request with prompt logprobs (``SamplingParams.skip_reading_prefix_cache``
+  is on for them by default), so each is computed in full. ``sampled`` and ``topk`` are
+  supported. ``full`` is not, because vLLM returns at most a top-k; use the ``hf`` engine for a
+  colocated teacher.
 - **Weights** are reloaded in place through the workers' ``reload_weights`` (the checkpoint
   names are mapped onto vLLM's fused layers), and the prefix cache is dropped. The engine is
   not restarted. On one GPU or CPU the engine runs in this process
@@ -66,6 +69,34 @@ def unpack_branches(request: ScoreRequest) -> tuple[list[list[int]], list[tuple[
         seq.append(token)
         where.append((index_of[branch], len(seq) - 1))
     return sequences, [where[t] for t in request.target_index]
+
+
+def scored_sequences(request: ScoreRequest, layout: str = "episode") -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """The plain sequences one packed request is scored as, and per target ``(sequence, position)``.
+
+    ``episode``: :func:`unpack_branches`, each sequence cut after its last target and any that
+    holds none left out (the trunk, when every response is a branch). ``turn``: one sequence
+    per turn, its whole context up to the end of its response (a branch's sequence is already
+    that; the trunk's targets are cut into turns at the gaps between them).
+    """
+    sequences, targets = unpack_branches(request)
+    if layout == "turn":
+        runs: list[list[int]] = []  # [sequence, first position, last position] of each turn's response
+        for seq, pos in targets:
+            if runs and runs[-1][0] == seq and runs[-1][2] + 1 == pos:
+                runs[-1][2] = pos
+            else:
+                runs.append([seq, pos, pos])
+        return ([sequences[seq][: last + 1] for seq, _, last in runs],
+                [(r, pos) for r, (_, first, last) in enumerate(runs) for pos in range(first, last + 1)])
+    if layout != "episode":
+        raise ValueError(f"unknown sequence layout {layout!r}; expected 'episode' or 'turn'")
+    end: dict[int, int] = {}
+    for seq, pos in targets:
+        end[seq] = max(end.get(seq, pos), pos)
+    used = sorted(end)
+    renumber = {old: new for new, old in enumerate(used)}
+    return [sequences[i][: end[i] + 1] for i in used], [(renumber[s], p) for s, p in targets]
 
 
 # What prompt logprobs cannot carry: the scoring modes that need the HF engine.
@@ -136,7 +167,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         k = top_k if mode == "topk" else 0
-        unpacked = [unpack_branches(r) for r in requests]
+        unpacked = [scored_sequences(r) for r in requests]
         flat = [TokensPrompt(prompt_token_ids=seq) for sequences, _ in unpacked for seq in sequences]
         params = VSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=k, detokenize=False)
         outputs = self.llm.generate(flat, params, use_tqdm=False)
@@ -144,26 +175,8 @@ class VLLMEngine:
         for sequences, targets in unpacked:
             prompt_logprobs = [o.prompt_logprobs for o in outputs[cursor : cursor + len(sequences)]]
             cursor += len(sequences)
-            results.append(self._read(prompt_logprobs, sequences, targets, mode, k))
+            results.append(read_prompt_logprobs([_plain(p) for p in prompt_logprobs], sequences, targets, mode, k))
         return results
-
-    @staticmethod
-    def _read(prompt_logprobs, sequences, targets, mode: str, k: int) -> TokenScores:
-        picked, ids, values, tails = [], [], [], []
-        for seq_index, position in targets:
-            step = prompt_logprobs[seq_index][position]
-            token = sequences[seq_index][position]
-            picked.append(step[token].logprob)
-            if mode == "topk":
-                ranked = sorted(((lp.rank, t, lp.logprob) for t, lp in step.items() if lp.rank <= k))[:k]
-                ids.append([t for _, t, _ in ranked])
-                values.append([lp for _, _, lp in ranked])
-                mass = sum(math.exp(lp) for _, _, lp in ranked)
-                tails.append(math.log1p(-mass) if mass < 1.0 else float("-inf"))
-        if mode != "topk":
-            return TokenScores(picked)
-        return TokenScores(picked, topk_ids=torch.tensor(ids, dtype=torch.long),
-                           topk_logprobs=torch.tensor(values), tail_logprob=torch.tensor(tails))
 
     # -- weights ----------------------------------------------------------------------------
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -174,6 +187,33 @@ class VLLMEngine:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError("vLLM keeps fused, kernel-format weights; compare logprobs instead")
+
+
+def _plain(prompt_logprobs) -> list:
+    """vLLM's prompt logprobs (per position ``{id: Logprob}``) as ``{id: (logprob, rank)}``."""
+    return [None if step is None else {t: (lp.logprob, lp.rank) for t, lp in step.items()} for step in prompt_logprobs]
+
+
+def read_prompt_logprobs(prompt_logprobs: list[list], sequences: list[list[int]], targets: list[tuple[int, int]],
+                         mode: str, k: int) -> TokenScores:
+    """:class:`TokenScores` of ``targets`` (``(sequence, position)`` each) from the prompt
+    logprobs of ``sequences`` (per sequence, per position ``{id: (logprob, rank)}``): the
+    target token's logprob, and for ``topk`` the ``k`` best ids with the mass outside them."""
+    picked, ids, values, tails = [], [], [], []
+    for seq_index, position in targets:
+        step = prompt_logprobs[seq_index][position]
+        token = sequences[seq_index][position]
+        picked.append(step[token][0])
+        if mode == "topk":
+            ranked = sorted((rank, t, lp) for t, (lp, rank) in step.items() if rank <= k)[:k]
+            ids.append([t for _, t, _ in ranked])
+            values.append([lp for _, _, lp in ranked])
+            mass = sum(math.exp(lp) for _, _, lp in ranked)
+            tails.append(math.log1p(-mass) if mass < 1.0 else float("-inf"))
+    if mode != "topk":
+        return TokenScores(picked)
+    return TokenScores(picked, topk_ids=torch.tensor(ids, dtype=torch.long),
+                       topk_logprobs=torch.tensor(values), tail_logprob=torch.tensor(tails))
 
 
 def _vllm_sampling(params: SamplingParams, seed: int):

@@ -185,7 +185,11 @@ class RayWorkers:
             heavy_ref, light_ref = self.teachers[k].score_split.options(num_returns=2).remote(part, supervision)
             whole.append(heavy_ref)
             light.append(light_ref)
-        parts = self._await(light, "teacher", "score")
+        try:
+            parts = self._await(light, "teacher", "score")
+        except BaseException:
+            _seen(whole)
+            raise
         return Scored([s for part, _ in parts for s in part], sum(size for _, size in parts), whole)
 
     def train_built(self, plan: BatchPlan) -> dict[str, float]:
@@ -361,3 +365,15 @@ def rendezvous_point(one_node: bool) -> str:
         sock.bind((ip, 0))
         port = sock.getsockname()[1]
     return f"tcp://{'[' + ip + ']' if ':' in ip else ip}:{port}"
+
+
+def _seen(refs: list) -> None:
+    """Fetch ``refs`` once, so that an error they hold (the other half of a failed call, already
+    reported) is not printed again by Ray as unhandled when they are dropped."""
+    import ray
+
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=1.0)
+        except Exception:  # noqa: BLE001 - only marking the errors as seen
+            pass

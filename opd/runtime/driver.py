@@ -47,7 +47,7 @@ from rich.markup import escape
 
 from opd.algorithms import get_algorithm
 from opd.algorithms.base import RunContext, StepRollouts, Workers
-from opd.bootstrap import resolve_model_path
+from opd.bootstrap import resolve_model_path, resolve_teacher_path
 from opd.chat import ChatFormat
 from opd.config import ConfigError, flatten, to_yaml
 from opd.curriculum import Curriculum
@@ -296,20 +296,56 @@ class TrainingRun:
                 check_model_dir(student_path, list(cfg.student.lora.target_modules), bool(cfg.student.trust_remote_code))
             except ValueError as exc:
                 raise ConfigError(f"{exc} (the student at {student_path})") from None
-        teacher_path = resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, self.log)
+        served = cfg.teacher.engine == "server"  # teacher_path: its tokenizer's, the student's if teacher.path is ""
+        teacher_path = resolve_teacher_path(cfg, self.log)
         tokenizers = {"student": load_tokenizer(student_path, cfg.student.trust_remote_code),
                       "teacher": load_tokenizer(teacher_path, cfg.teacher.trust_remote_code)}
         try:
             check_tokenizers_match(tokenizers["student"], tokenizers["teacher"])
+            if served:
+                self._check_server(tokenizers["teacher"])
         except TokenizerMismatchError as exc:
             if not cfg.supervision.cross_tokenizer:
-                raise ConfigError(f"keys 'student.path' ({student_path}) and 'teacher.path' ({teacher_path}): {exc} "
-                                  "Or set supervision.cross_tokenizer: true to align the two over text spans.") from None
+                keys = (f"key 'teacher.server' ({', '.join(cfg.teacher.server.urls)}) and 'student.path' ({student_path})"
+                        if served and teacher_path == student_path else
+                        f"keys 'student.path' ({student_path}) and 'teacher.path' ({teacher_path})")
+                raise ConfigError(f"{keys}: {exc} Or set supervision.cross_tokenizer: true to align the two over "
+                                  "text spans" + (" (teacher.path then names the server's tokenizer)." if served else ".")
+                                  ) from None
+            if served and teacher_path == student_path:
+                raise ConfigError(f"key 'teacher.path' is empty, so opd renders the served teacher's view with the "
+                                  f"student's tokenizer, which differs from the server's: {exc} With "
+                                  "supervision.cross_tokenizer, set teacher.path to the served model's tokenizer "
+                                  "(its hub id or a directory).") from None
             self.log(f"cross-tokenizer scoring (the tokenizers differ: {escape('; '.join(exc.problems)[:300])})")
+            if served:
+                self._check_server(tokenizers["teacher"])
         else:
             if cfg.supervision.cross_tokenizer:
                 self.log("supervision.cross_tokenizer is set but the tokenizers match: scoring re-tokenises anyway")
         return student_path, teacher_path, tokenizers
+
+    def _check_server(self, tokenizer) -> None:
+        """A served teacher's checks (:func:`opd.generation.server.check_server`) against the
+        tokenizer opd renders its view with; a failure stops the run before any role starts."""
+        from opd.generation.server import ServerError, ServerSpec, check_server
+
+        cfg = self.cfg
+        spec = ServerSpec.of(cfg.teacher.server)
+        try:
+            info = check_server(spec, tokenizer)
+        except ServerError as exc:
+            raise ConfigError(f"teacher.engine: server: {exc}") from None
+        agree = (f"; {len(spec.urls)} replicas agree within {info['replica_difference']:.2g}"
+                 if len(spec.urls) > 1 else "")
+        self.log(f"teacher served at {', '.join(spec.urls)} ({spec.model}, max_model_len {info['max_model_len']}): "
+                 f"it answers and tokenizes as {cfg.teacher.path or 'the student'} does{agree} "
+                 f"({info['seconds']:.1f}s)")
+        if 0 < info["max_model_len"] <= cfg.rollout.max_context_tokens:
+            self.log(f"[yellow]warning[/]: the teacher server's max_model_len ({info['max_model_len']}) is not above "
+                     f"rollout.max_context_tokens ({cfg.rollout.max_context_tokens}): a teacher sequence that long "
+                     "(plus the one token a completion needs) will be refused. Serve it with a larger --max-model-len, "
+                     "or lower rollout.max_context_tokens.")
 
     def _check_losses(self, vocab_size: int) -> None:
         """Each loss of the recipe, once, on a probe batch (:mod:`opd.training.loss_check`): a loss

@@ -49,14 +49,14 @@ class PolicySource:
 def resolve_source(source: str, recipe: str | None, overrides: list[str], log: Any) -> PolicySource:
     """The policy ``source`` names (see the module docstring); :class:`ConfigError` when it
     names nothing that exists, naming what was looked for."""
-    from opd.bootstrap import resolve_model_path
+    from opd.bootstrap import resolve_model_path, resolve_teacher_path
 
     spec, _, selector = source.rpartition("@") if "@" in source else (source, "", "")
     path = Path(spec)
     if path.is_dir() and (path / "config.yaml").is_file():
         cfg = load_config(recipe or path / "config.yaml", overrides)
         if selector == "teacher":
-            model = resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, log)
+            model = resolve_teacher_path(cfg, log)
             return PolicySource(cfg, cfg.teacher, model, f"{spec} teacher", "teacher", path / "eval")
         checkpoints = {int(p.name.removeprefix("step_")): p for p in complete_checkpoints(path)}
         if selector in ("", "last"):
@@ -92,7 +92,8 @@ def resolve_source(source: str, recipe: str | None, overrides: list[str], log: A
         if who not in ("student", "teacher"):
             raise ConfigError(f"{source}: after '@' a recipe takes 'student' or 'teacher' (got {who!r})")
         model_cfg = getattr(cfg, who)
-        model = resolve_model_path(model_cfg, cfg.env, cfg.run.seed + (who == "student"), log)
+        model = (resolve_teacher_path(cfg, log) if who == "teacher" else
+                 resolve_model_path(model_cfg, cfg.env, cfg.run.seed + 1, log))
         return PolicySource(cfg, model_cfg, model, f"{who} of {spec}", who, Path(cfg.run.output_dir) / "eval")
     raise ConfigError(f"{source!r} is not a run directory (config.yaml and checkpoints/), a model directory "
                       "(config.json) or a recipe (.yaml) that exists")

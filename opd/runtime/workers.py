@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from opd.envs import EnvFactory
 from opd.generation.base import TokenScores
+from opd.generation.server import ServerSpec
 from opd.rollout.vanilla import EpisodeSettings
 from opd.schema import ModelConfig, OPDConfig, SupervisionConfig
 from opd.training.trainer import TrainerSpec
@@ -42,6 +43,7 @@ class EngineSpec:
         engine, dtype, trust_remote_code, prefix_cache_mb, tensor_parallel_size: the role's
             :class:`opd.schema.ModelConfig` keys of the same names.
         torch_threads: torch's intra-op threads in the worker's process (0: every core).
+        server: where a served teacher is (``engine: server``; ``path`` then holds its tokenizer).
     """
 
     path: str
@@ -51,13 +53,15 @@ class EngineSpec:
     prefix_cache_mb: float = 0.0
     tensor_parallel_size: int = 1
     torch_threads: int = 0
+    server: ServerSpec | None = None
 
     @classmethod
     def of(cls, model_cfg: ModelConfig, path: str, torch_threads: int) -> "EngineSpec":
         """The spec of the model a recipe's ``student`` or ``teacher`` section names, at ``path``."""
         return cls(path=path, engine=str(model_cfg.engine), dtype=str(model_cfg.dtype),
                    trust_remote_code=bool(model_cfg.trust_remote_code), prefix_cache_mb=float(model_cfg.prefix_cache_mb),
-                   tensor_parallel_size=int(model_cfg.tensor_parallel_size), torch_threads=int(torch_threads))
+                   tensor_parallel_size=int(model_cfg.tensor_parallel_size), torch_threads=int(torch_threads),
+                   server=ServerSpec.of(model_cfg.server) if model_cfg.engine == "server" else None)
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,7 @@ class PolicyWorker:
         from opd.models import load_tokenizer
 
         self.engine = make_engine(spec.engine, spec.path, spec.dtype, spec.trust_remote_code, spec.prefix_cache_mb,
-                                  spec.tensor_parallel_size)
+                                  spec.tensor_parallel_size, spec.server)
         self.path = spec.path
         self.merger = None  # a LoRA student's starting weights, for its adapters' updates
         self.tokenizer = load_tokenizer(spec.path, spec.trust_remote_code)
@@ -261,9 +265,9 @@ def local_teacher_player(cfg: OPDConfig, log: Callable[[str], None]) -> Callable
     """``tasks -> trajectories``: the teacher's greedy episodes played in this process, without
     Ray (``opd references build`` uses it for ``actfirst.reference_source: teacher``); the
     teacher is provisioned first (built, for a ``bootstrap`` section)."""
-    from opd.bootstrap import resolve_model_path
+    from opd.bootstrap import resolve_teacher_path
 
-    path = resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, log)
+    path = resolve_teacher_path(cfg, log)
     worker = TeacherWorker(TeacherSpec(EngineSpec.of(cfg.teacher, path, cfg.resources.torch_threads)))
     settings = EpisodeSettings(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0,
                                max_context_tokens=cfg.rollout.max_context_tokens, system_prompt=cfg.rollout.system_prompt,

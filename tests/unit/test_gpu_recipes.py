@@ -72,7 +72,13 @@ def test_a_gpu_recipe_binds_fits_its_cluster_and_names_real_models(recipe, monke
         assert path in QWEN3, f"{recipe.name}: {role}.path {path!r} is not a Qwen3 checkpoint"
         assert f"{role} {path} (" in header["models"], f"{recipe.name}: the header's models do not name {path}"
     res = cfg.resources
-    assert cfg.teacher.tensor_parallel_size <= res.teacher_gpus
+    if cfg.teacher.engine == "server":  # served elsewhere: the run holds an HTTP client, no GPU
+        from opd.config import _validate_server
+
+        _validate_server(cfg, str(recipe))
+        assert cfg.teacher.server.model == cfg.teacher.path and "vllm serve " + cfg.teacher.path in recipe.read_text()
+    else:
+        assert cfg.teacher.tensor_parallel_size <= res.teacher_gpus
     assert cfg.student.tensor_parallel_size <= res.rollout_gpus
     assert res.trainer_gpus >= 1 and (res.trainer_ranks == 1 or cfg.trainer.zero_stage >= 1)
     if cfg.trainer.zero_stage < 3 and "4B" in cfg.student.path and cfg.student.lora.rank == 0:
