@@ -174,6 +174,25 @@ def teacher_metrics(scores: list[TokenScores] | Scored) -> dict[str, float]:
     return {"teacher_payload_mb": size / 2**20}
 
 
+def kl_by_turn(trajs: list[Trajectory], scores: list[TokenScores]) -> dict[str, float]:
+    """``kl_turn/<t>`` (``t`` from 01, two digits so that the keys sort): per response token of
+    the trained turns at index ``t``, the student's behaviour logprob minus the teacher's (the
+    sampled reverse KL at the sampling temperature). Compounding errors show as a KL that rises
+    with ``t`` (docs/curricula.md)."""
+    sums: dict[int, float] = {}
+    counts: dict[int, int] = {}
+    for traj, score in zip(trajs, scores):
+        start = 0
+        for t, turn in enumerate(traj.turns, start=1):
+            n = len(turn.response_ids)
+            if turn.trained and n:
+                teacher = score.logprobs[start:start + n]
+                sums[t] = sums.get(t, 0.0) + sum(b - a for b, a in zip(turn.response_logprobs, teacher))
+                counts[t] = counts.get(t, 0) + n
+            start += n
+    return {f"kl_turn/{t:02d}": sums[t] / counts[t] for t in sorted(counts)}
+
+
 def with_reverse_kl_headline(metrics: dict[str, float]) -> dict[str, float]:
     """``metrics`` with ``reverse_kl_per_token``, the first loss term's reverse KL to the teacher
     (what the progress line and the report plot show), when a term reports one."""

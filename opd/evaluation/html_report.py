@@ -176,10 +176,35 @@ def _curve_panels(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         panels.insert(1, _panel("Return", "training episodes: the mean summed reward, and its spread within a group",
                                 _lines([_curve("return", returns),
                                         _curve("return/group_std", _series(train, "return/group_std"), dashed=True)])))
+    panels.insert(2, _panel("KL by turn index", "nats per token of the turns at each index, early and late in training",
+                            _kl_by_turn(train)))
     for prefix, title in (("pivot/", "PivotOPD"), ("actfirst/", "ActFirst")):
         panels.append(_panel(title, f"{prefix}* scalars",
                              _lines([_curve(k, _series(train, k)) for k in keys if k.startswith(prefix)])))
     return [p for p in panels if p]
+
+
+def _kl_by_turn(train: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The sampled KL of each turn index (``kl_turn/<t>``, :func:`opd.algorithms.step.kl_by_turn`)
+    averaged over the first and the last quarter of the steps that logged it, against the turn
+    index: compounding errors show as a line that rises with the turn, a curriculum's effect as
+    the late line below the early one. ``None`` without such keys or with one step."""
+    logged = [r for r in train if any(k.startswith("kl_turn/") for k in r)]
+    if len(logged) < 2:
+        return None
+    quarter = max(1, len(logged) // 4)
+
+    def mean_by_turn(records: list[dict[str, Any]]) -> list[tuple[float, float]]:
+        turns = sorted({k for r in records for k in r if k.startswith("kl_turn/")}, key=lambda k: int(k.split("/")[1]))
+        return [(float(int(k.split("/")[1])), sum(v) / len(v)) for k in turns
+                if (v := [float(r[k]) for r in records if k in r])]
+
+    def label(records: list[dict[str, Any]]) -> str:
+        return f"steps {records[0]['step']}-{records[-1]['step']}"
+
+    early, late = logged[:quarter], logged[-quarter:]
+    chart = _lines([_curve(label(early), mean_by_turn(early), dashed=True), _curve(label(late), mean_by_turn(late))])
+    return {**chart, "x_label": "turn"} if chart else None
 
 
 def _panel(title: str, subtitle: str, chart: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -118,6 +118,25 @@ def test_greedy_generation_equals_the_hf_engines(servers, tiny_model_dir, tokeni
     assert all(len(c.logprobs) == len(c.response_ids) for c in served)
 
 
+def test_cross_tokenizer_scoring_through_the_server_equals_the_hf_engines(servers, tiny_model_dir, tokenizer,
+                                                                        recipe_teacher_dir):
+    """A student whose tokenizer differs from the served teacher's (the tiny recipe's against the
+    conftest's): responses re-tokenised, scores aligned over text spans, as in process."""
+    from opd.chat import ChatFormat
+    from opd.supervision.cross_tokenizer import CrossTokenizerScorer
+
+    a, _ = servers
+    student_tok = load_tokenizer(recipe_teacher_dir)
+    student_fmt = ChatFormat.from_tokenizer(student_tok)
+    traj = ten_turn_trajectory(student_tok, student_fmt)
+    scorer = CrossTokenizerScorer(student_tok, tokenizer)
+    local = scorer.score(HFEngine.from_pretrained(tiny_model_dir), [traj], "state_grounded")[0].logprobs
+    served = scorer.score(ServerEngine(spec(a.url)), [traj], "state_grounded")[0].logprobs
+    diff = max(abs(x - y) for x, y in zip(local, served))
+    print(f"cross-tokenizer: served vs HF max abs diff {diff:.2e} over {len(local)} student tokens")
+    assert len(served) == traj.num_response_tokens and diff <= PARITY_TOL
+
+
 def test_the_start_checks_pass_and_name_each_fault(servers, tokenizer, recipe_teacher_dir):
     a, b = servers
     info = check_server(spec(a.url, a.url + "/v1"), tokenizer)
@@ -181,6 +200,25 @@ def test_a_failed_replica_is_skipped_and_a_hung_one_is_bounded(servers, tokenize
         hung.close()
     print(f"hung server: gave up after {seconds:.1f} s (timeout_s 1, retries 1)")
     assert seconds < 10
+
+
+def test_a_local_backend_run_trains_against_the_server(servers, bootstrap_cache, tmp_path, capsys):
+    """The local backend (every role in this process) with the served teacher: two steps, the
+    teacher's held-out evaluation played through the server's generation, the start's check line."""
+    from opd.cli import main
+
+    _, b = servers
+    run = tmp_path / "run"
+    code = main(["train", str(TINY), f"run.output_dir={run}", f"student.bootstrap.cache_dir={bootstrap_cache}",
+                 "teacher.bootstrap=null", "teacher.engine=server", f"teacher.server.urls=[{b.url}]",
+                 "teacher.server.model=teacher", "run.backend=local", "trainer.engine=torch", "run.save_every_steps=0"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps if "time/step_s" in s] == [1, 2]
+    evals = [s for s in steps if "eval/teacher_success" in s]
+    assert evals and 0.0 <= evals[0]["eval/teacher_success"] <= 1.0  # played through vllm serve's generation
+    assert f"teacher served at {b.url}" in " ".join(out.split())
 
 
 def test_a_run_whose_server_dies_stops_with_its_checkpoint_and_resume_command(servers, bootstrap_cache, tmp_path):

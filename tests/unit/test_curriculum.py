@@ -202,3 +202,29 @@ def test_teacher_played_turns_are_the_teachers_and_carry_no_loss(tokenizer, fmt,
             assert batch.loss_mask_BT[b, s:e].sum() == (e - s if turn.trained else 0)
     mark_trained_turns(trajs, 2, "off")  # a depth curriculum beside it never trains the teacher's turns
     assert all(not turn.trained for i, t in played for turn in [trajs[i].turns[t]])
+
+
+def test_the_kl_by_turn_index_averages_each_turns_tokens_and_skips_untrained_turns(tokenizer, fmt, tiny_model_dir):
+    """``kl_turn/<t>`` from real episodes scored by a real teacher: recomputed here by hand from
+    each turn's behaviour and teacher logprobs; a turn marked untrained leaves its index."""
+    from opd.algorithms.step import kl_by_turn
+    from opd.supervision.teacher_view import score_trajectories
+
+    trajs = _episodes(tokenizer, fmt, tiny_model_dir)
+    trajs[0].turns[0].trained = False
+    scores = score_trajectories(HFEngine.from_pretrained(tiny_model_dir), trajs, "state_grounded", fmt)
+    got = kl_by_turn(trajs, scores)
+    expected: dict[int, list[float]] = {}
+    for traj, score in zip(trajs, scores):
+        flat = iter(score.logprobs)
+        for t, turn in enumerate(traj.turns, start=1):
+            teacher = [next(flat) for _ in turn.response_ids]
+            if turn.trained:
+                expected.setdefault(t, []).extend(b - a for b, a in zip(turn.response_logprobs, teacher))
+    assert list(got) == [f"kl_turn/{t:02d}" for t in sorted(expected)] and len(got) > 2
+    for t, values in expected.items():
+        assert got[f"kl_turn/{t:02d}"] == pytest.approx(sum(values) / len(values), abs=1e-9)
+    # the same student and teacher (one model): behaviour and teacher logprobs agree, the KL is ~0
+    assert max(abs(v) for v in got.values()) < 1e-4
+    trajs[0].turns[0].trained = True
+    assert kl_by_turn(trajs, scores)["kl_turn/01"] != got["kl_turn/01"]

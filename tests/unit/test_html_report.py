@@ -344,3 +344,22 @@ def test_an_evaluation_file_is_sampled_across_budgets_samples_and_outcomes(tmp_p
     assert {r["turn_budget"] for r in picked} == {2, 4, 8} and {r["sample"] for r in picked} == set(range(8))
     assert {r["success"] for r in picked if r["turn_budget"] == 8} == {True, False}
     assert sample_rows(rows[:10], 64) == rows[:10]
+
+
+def test_the_kl_by_turn_index_panel_sets_the_first_quarter_of_steps_against_the_last(tmp_path):
+    """``kl_turn/<t>`` of 8 steps: the early line is the mean of steps 1-2, the late one of 7-8,
+    each against the turn index (a turn only some steps reached averages those)."""
+    run = make_run_dir(tmp_path, train_steps=tuple(range(1, 9)))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        if "loss" in r:
+            s = r["step"]
+            r.update({"kl_turn/01": 0.1 * s, "kl_turn/02": 0.2 * s, **({"kl_turn/10": 1.0} if s in (2, 8) else {})})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    panel = charts(write_html_report(run).read_text())["KL by turn index"]
+    assert panel["x_label"] == "turn" and labels(panel) == ["steps 1-2", "steps 7-8"]
+    flat = lambda label: [x for point in points(panel, label) for x in point]  # noqa: E731
+    assert flat("steps 1-2") == pytest.approx([1.0, 0.15, 2.0, 0.3, 10.0, 1.0])
+    assert flat("steps 7-8") == pytest.approx([1.0, 0.75, 2.0, 1.5, 10.0, 1.0])
+    assert [s["dashed"] for s in panel["series"]] == [True, False]
+    assert "KL by turn index" not in charts(write_html_report(make_run_dir(tmp_path / "plain")).read_text())

@@ -61,7 +61,7 @@
     return out;
   }
 
-  function frame(xTicks, yTicks, sx, sy) {
+  function frame(xTicks, yTicks, sx, sy, xLabel) {
     var svg = svgEl("svg", {viewBox: "0 0 " + W + " " + H, role: "img", "font-size": 11,
                             "font-family": "system-ui, sans-serif"});
     svg.appendChild(svgEl("line", {x1: L, y1: H - B, x2: W - R, y2: H - B, stroke: "#94a3b8"}));
@@ -70,7 +70,7 @@
       svg.appendChild(svgText(L - 6, f1(sy(y) + 4), "end", "#475569", g(y, 3)));
     });
     xTicks.forEach(function (x) { svg.appendChild(svgText(f1(sx(x)), H - B + 16, "middle", "#475569", g(x, 6))); });
-    svg.appendChild(svgText(W - R, H - 2, "end", "#64748b", "step"));
+    svg.appendChild(svgText(W - R, H - 2, "end", "#64748b", xLabel || "step"));
     return svg;
   }
 
@@ -95,7 +95,8 @@
     var xTicks = ticks(min(xs), max(xs), true), yTicks = ticks(Math.min(lo, min(ys)), Math.max(hi, max(ys)), false);
     var sx = scale(xTicks[0], xTicks[xTicks.length - 1], L, W - R);
     var sy = scale(yTicks[0], yTicks[yTicks.length - 1], H - B, T);
-    var svg = frame(xTicks, yTicks, sx, sy), entries = [];
+    var xLabel = panel.x_label || "step";
+    var svg = frame(xTicks, yTicks, sx, sy, xLabel), entries = [];
     panel.series.forEach(function (s, i) {
       var colour = COLOURS[i % COLOURS.length];
       var coords = s.points.map(function (p) { return f1(sx(p[0])) + "," + f1(sy(p[1])); });
@@ -105,7 +106,7 @@
       if (s.points.length <= 60 && !s.dashed) {
         s.points.forEach(function (p) {
           svg.appendChild(svgEl("circle", {cx: f1(sx(p[0])), cy: f1(sy(p[1])), r: 3, fill: colour},
-                                s.label + ", step " + g(p[0], 6) + ": " + g(p[1], 4)));
+                                s.label + ", " + xLabel + " " + g(p[0], 6) + ": " + g(p[1], 4)));
         });
       }
       entries.push({label: s.label, colour: colour, dashed: s.dashed});
