@@ -10,31 +10,36 @@
 # Between runs on one machine the engine keeps the base image, the layer of locked packages (rebuilt
 # only when a lock changes) and pip's build cache; the bootstrap cache is this machine's
 # (~/.cache/opd/bootstrap), where the test suite's quickstart has built the same models. A clean
-# machine builds everything. Where Docker and Podman are both missing and we are root, Podman is
-# installed from Debian's packages.
+# machine builds everything. Where no Docker daemon answers and Podman is missing, and we are root,
+# Podman is installed from Debian's packages (and mmdebstrap, where the base must be made here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps="${1:-3}"
-if ! command -v docker >/dev/null 2>&1 && ! command -v podman >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "check_image: podman, runc and mmdebstrap (apt) to build the image"
-    log="$(mktemp)"
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc mmdebstrap; } >"$log" 2>&1 \
-      || { tail -n 5 "$log" >&2; exit 1; }
-    rm -f "$log"
-  else
-    echo "check_image: needs Docker or Podman (apt-get install podman runc mmdebstrap, as root)" >&2
+# Debian's packages for what is missing, where we are root (a docker CLI with no daemon behind it,
+# as some machines have, counts as missing: Podman builds the image then).
+apt_install() {
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "check_image: needs $* (apt-get install $*, as root)" >&2
     exit 1
   fi
-fi
+  echo "check_image: $* (apt) to build the image"
+  log="$(mktemp)"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@"; } >"$log" 2>&1 \
+    || { tail -n 5 "$log" >&2; exit 1; }
+  rm -f "$log"
+}
 engine="${OPD_ENGINE:-}"
 if [ -z "$engine" ]; then
   if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then engine=docker; else engine=podman; fi
 fi
+if [ "$engine" = podman ] && ! command -v podman >/dev/null 2>&1; then apt_install podman runc mmdebstrap; fi
 export OPD_ENGINE="$engine"
 # The public base where it can be pulled, else one made from Debian's packages.
 base_args=()
-if ! "$engine" pull -q docker.io/library/python:3.11-slim-bookworm >/dev/null 2>&1; then base_args=(--local-base); fi
+if ! "$engine" pull -q docker.io/library/python:3.11-slim-bookworm >/dev/null 2>&1; then
+  base_args=(--local-base)
+  if ! command -v mmdebstrap >/dev/null 2>&1; then apt_install mmdebstrap; fi
+fi
 start=$(date +%s)
 scripts/build_images.sh "${base_args[@]}" 2>&1 | grep -E "^(build_images|setup):|^(STEP|Error)" || { echo "check_image: the build failed" >&2; exit 1; }
 echo "check_image: built in $(( $(date +%s) - start )) s; $("$engine" images --format '{{.Size}}' opd:cpu | head -n 1)"
