@@ -268,7 +268,7 @@ def build_references(cfg: OPDConfig, log: Callable[[str], None] = print,
         teacher_play: ``tasks -> trajectories``, the teacher's greedy episodes: required for
             ``reference_source: teacher`` (a run passes its teacher worker; ``opd references
             build`` one in its own process, :func:`opd.runtime.workers.local_teacher_player`).
-        chunk: tasks per progress line (and per teacher call).
+        chunk: tasks per progress update (and per teacher call).
     """
     from opd.envs import EnvFactory
 
@@ -289,16 +289,22 @@ def build_references(cfg: OPDConfig, log: Callable[[str], None] = print,
             if teacher_play is None:
                 raise ValueError("reference_source 'teacher' needs a teacher_play: tasks -> trajectories")
             play = teacher_play
+        from opd.progress import Progress
+
         built = []
-        for start in range(0, len(tasks), chunk):
-            part = tasks[start : start + chunk]
-            if play is None:
-                built += [expert_reference(env, task, cfg.run.seed) for task in part]
-            else:
-                built += [trajectory_reference(traj) for traj in play(part)]
-            log(f"references ({af.reference_source}): {len(built)}/{len(tasks)} episodes, "
-                f"{sum(r.success for r in built)} successful")
-        env.close()
+        progress = Progress(log, "episode", len(tasks), prefix=f"references ({af.reference_source})")
+        try:
+            for start in range(0, len(tasks), chunk):
+                part = tasks[start : start + chunk]
+                if play is None:
+                    built += [expert_reference(env, task, cfg.run.seed) for task in part]
+                else:
+                    built += [trajectory_reference(traj) for traj in play(part)]
+                progress.advance(len(built), f"{sum(r.success for r in built)} successful")
+        finally:
+            progress.close()
+            env.close()
+        progress.finish(f"{sum(r.success for r in built)} successful")
     kept = built if af.keep_failed_references else [r for r in built if r.success]
     if not kept:
         raise ConfigError(f"key 'actfirst.reference_source' ({af.reference_source}): none of {len(built)} reference "

@@ -100,7 +100,7 @@ def test_directory_is_keyed_by_content_and_built_once(tmp_path):
     assert references_dir(_cfg(tmp_path, "actfirst.keep_failed_references=true")) != directory
     assert references_dir(_cfg(tmp_path, "teacher.bootstrap.cache_dir=/elsewhere/bootstrap")).name == directory.name
     refs = load_references(cfg, logs.append)
-    assert any("building them (expert)" in line for line in logs) and any("12/12 episodes" in line for line in logs)
+    assert any("building them (expert)" in line for line in logs) and any("references (expert): episode 12/12" in line for line in logs)
     assert len(refs) == 12 and all(r.success for r in refs.values())
     logs.clear()
     assert load_references(cfg, logs.append, tasks=["fl4-train-00002"]).keys() == {"fl4-train-00002"}
