@@ -9,6 +9,7 @@ Environments (``opd envs`` lists them with one line each; docs in ``docs/envs/``
     opd/SQLText-v0: text-to-SQL over generated SQLite databases.
     opd/ClinicalWorkup-v0: a clinical work-up simulator (refill triage, diagnosis, titration).
     opd/PromptDataset-v0: single-turn prompts from a dataset file (GKD-style distillation, GRPO).
+    opd/Mix-v0: several of these in one run (a recipe's ``env.mix``; :mod:`opd.mixture`).
 
 Registration is lazy (an entry-point string): an engine is imported only when its env is made.
 
@@ -39,3 +40,5 @@ _register("opd/BFCLMultiTurn-v0", "environments.bfcl_env:BFCLMultiTurnEnv")
 _register("opd/SQLText-v0", "environments.sql_env:SQLTextEnv")
 _register("opd/ClinicalWorkup-v0", "environments.clinical:ClinicalWorkupEnv")
 _register("opd/PromptDataset-v0", "environments.prompt_dataset:PromptDatasetEnv")
+# A recipe's env.mix: several of the above in one run (opd.mixture, docs/teachers.md).
+_register("opd/Mix-v0", "opd.mixture:MixedEnv")

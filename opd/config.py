@@ -24,12 +24,13 @@ import tempfile
 import types
 import typing
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
-from opd.schema import BOUNDS, ConfigError, OPDConfig
+from opd.schema import ConfigError, OPDConfig, bound_of
 
 if TYPE_CHECKING:
     from opd.algorithms.base import Algorithm
@@ -71,6 +72,7 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
         pass  # named below
     except oc_errors.OmegaConfBaseException as exc:
         raise ConfigError(f"{path}: key '{exc.full_key}': {str(exc).splitlines()[0]}") from None
+    _mix_env_id(cfg, str(path))
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"{path}: required key(s) {', '.join(map(repr, missing))} not set; e.g. env.id: "
@@ -80,6 +82,22 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     except oc_errors.OmegaConfBaseException as exc:  # a value the schema typed but the checks read wrongly
         raise ConfigError(f"{path}: {str(exc).splitlines()[0]}") from None
     return cfg  # type: ignore[return-value]
+
+
+def _mix_env_id(cfg: DictConfig, source: str) -> None:
+    """A recipe with ``env.mix`` leaves ``env.id`` out: it is the mixed environment's."""
+    from opd.mixture import MIX_ID
+
+    if not cfg.env.mix:
+        return
+    if OmegaConf.is_missing(cfg.env, "id"):
+        cfg.env.id = MIX_ID
+    elif cfg.env.id != MIX_ID:
+        raise ConfigError(f"{source}: keys 'env.id' ({cfg.env.id!r}) and 'env.mix' are both set: with a mix each entry "
+                          "names its environment (env.mix.N.id); drop env.id.")
+    if cfg.env.kwargs or cfg.env.module:
+        raise ConfigError(f"{source}: key 'env.{'kwargs' if cfg.env.kwargs else 'module'}' is set beside 'env.mix': "
+                          "with a mix each entry has its own (env.mix.N.kwargs, env.mix.N.module).")
 
 
 def _check_shapes(raw: Any, schema: Any, prefix: str, source: str) -> None:
@@ -259,10 +277,14 @@ def _check_numbers(node: Any, schema: Any, prefix: str, source: str) -> None:
             for i, element in enumerate(value):
                 if dataclasses.is_dataclass(item):
                     _check_numbers(element, item, f"{key}.{i}.", source)
+        elif typing.get_origin(kind) is dict and dataclasses.is_dataclass(typing.get_args(kind)[1]) \
+                and isinstance(value, DictConfig):
+            for entry in value.keys():
+                _check_numbers(value[entry], typing.get_args(kind)[1], f"{key}.{entry}.", source)
         elif isinstance(value, (DictConfig, ListConfig)):
             _check_finite(value, key, source)
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            bound = BOUNDS.get(schema, {}).get(name)
+            bound = bound_of(schema, name)
             if not math.isfinite(value):
                 raise ConfigError(f"{source}: key '{key}' is {value}; expected a finite number"
                                   f"{f' ({bound.describe()})' if bound else ''}.")
@@ -322,21 +344,20 @@ def validate(cfg: OPDConfig, source: str = "config") -> None:
     algorithm = get_algorithm(cfg.algorithm)
     _check_numbers(cfg, OPDConfig, "", source)
     _check_output_dir(cfg.run.output_dir, source)
-    _validate_resources(cfg.resources, source)  # before the engines: a GPU request decides engine: auto
+    _validate_resources(cfg.resources, source, _named_teacher_shares(cfg))  # before the engines: a GPU request decides engine: auto
     if cfg.actfirst.reference_source == "dataset" and not cfg.actfirst.reference_dataset:
         raise ConfigError(f"{source}: key 'actfirst.reference_dataset' is empty but 'actfirst.reference_source' is "
                           "'dataset'; give the path of your references (see docs/actfirst.md).")
-    for role, gpus in (("student", cfg.resources.rollout_gpus), ("teacher", cfg.resources.teacher_gpus)):
-        model = getattr(cfg, role)
+    _validate_mix(cfg, algorithm, source)  # first: it says which teacher sections are in use
+    for key, model, gpus, gpus_key in _model_sections(cfg):
         if model.engine == "auto":
             model.engine = resolve_engine("auto", gpus)
-        _validate_model(model, role, source)
-        actor = "rollout" if role == "student" else "teacher"
+        _validate_model(model, key, source)
         if model.tensor_parallel_size > 1 and (model.engine != "vllm" or gpus < model.tensor_parallel_size):
-            raise ConfigError(f"{source}: key '{role}.tensor_parallel_size' is {model.tensor_parallel_size}: it splits "
-                              f"the model over that many GPUs with the vllm engine, and the {actor} has "
-                              f"resources.{actor}_gpus={gpus:g} with engine {model.engine!r}. Set "
-                              f"resources.{actor}_gpus={model.tensor_parallel_size} and {role}.engine: vllm (or auto), "
+            raise ConfigError(f"{source}: key '{key}.tensor_parallel_size' is {model.tensor_parallel_size}: it splits "
+                              f"the model over that many GPUs with the vllm engine, and its actor has "
+                              f"{gpus_key}={gpus:g} with engine {model.engine!r}. Set "
+                              f"{gpus_key}={model.tensor_parallel_size} and {key}.engine: vllm (or auto), "
                               f"or tensor_parallel_size: 1.")
     run, rollout, trainer = cfg.run, cfg.rollout, cfg.trainer
     if run.eval_history == "auto":
@@ -353,24 +374,25 @@ def validate(cfg: OPDConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: key 'supervision.cross_tokenizer' works with 'supervision.scoring: sampled' only "
                           f"(got {supervision.scoring!r}): top-k ids and full distributions live in the teacher's "
                           "vocabulary, which the student does not share.")
-    if cfg.teacher.lora.rank > 0:
-        raise ConfigError(f"{source}: key 'teacher.lora.rank' is {cfg.teacher.lora.rank}: the teacher is frozen and "
-                          "trains no adapters; LoRA goes under student.lora.")
     if cfg.student.lora.rank > 0 and not list(cfg.student.lora.target_modules):
         raise ConfigError(f"{source}: key 'student.lora.target_modules' is empty: name the linear layers that get "
                           "adapters (e.g. [q_proj, v_proj]), or [all-linear].")
     if cfg.student.engine == "server":
         raise ConfigError(f"{source}: key 'student.engine' is 'server', which only a teacher can be: the student trains "
                           "here and its rollouts need its weights; use hf, vllm or auto.")
-    if cfg.teacher.engine == "server":
-        _validate_server(cfg, source)
-    elif cfg.teacher.server.urls:
-        raise ConfigError(f"{source}: key 'teacher.server.urls' is set but 'teacher.engine' is "
-                          f"{cfg.teacher.engine!r}: set teacher.engine: server to score against it, or drop teacher.server.")
-    if supervision.scoring in ("full", "hidden") and cfg.teacher.engine == "vllm":
-        raise ConfigError(f"{source}: key 'supervision.scoring' is {supervision.scoring!r} and 'teacher.engine' is "
-                          f"vllm, which cannot return the teacher's whole distribution or its hidden states: set "
-                          "teacher.engine: hf, or supervision.scoring: topk.")
+    for key, teacher, gpus, gpus_key in _model_sections(cfg)[1:]:
+        if teacher.lora.rank > 0:
+            raise ConfigError(f"{source}: key '{key}.lora.rank' is {teacher.lora.rank}: a teacher is frozen and "
+                              "trains no adapters; LoRA goes under student.lora.")
+        if teacher.engine == "server":
+            _validate_server(cfg, teacher, key, gpus, gpus_key, source)
+        elif teacher.server.urls:
+            raise ConfigError(f"{source}: key '{key}.server.urls' is set but '{key}.engine' is {teacher.engine!r}: set "
+                              f"{key}.engine: server to score against it, or drop {key}.server.")
+        if supervision.scoring in ("full", "hidden") and teacher.engine == "vllm":
+            raise ConfigError(f"{source}: key 'supervision.scoring' is {supervision.scoring!r} and '{key}.engine' is "
+                              f"vllm, which cannot return the teacher's whole distribution or its hidden states: set "
+                              f"{key}.engine: hf, or supervision.scoring: topk.")
     if rollout.episodes_per_step % trainer.micro_batch_size:
         raise ConfigError(
             f"{source}: key 'trainer.micro_batch_size' ({trainer.micro_batch_size}) must divide "
@@ -392,7 +414,8 @@ def validate(cfg: OPDConfig, source: str = "config") -> None:
                           f"(pipelined: {', '.join(pipelined)}).")
     _validate_losses(cfg, algorithm, source)
     algorithm.check_config(cfg, source)
-    _validate_env(cfg.env, source)
+    if not cfg.env.mix:  # a mix's entries were checked one by one
+        _validate_env(cfg.env, source)
     _validate_curriculum(cfg, source)
 
 
@@ -473,31 +496,114 @@ def _validate_losses(cfg: OPDConfig, algorithm: Algorithm, source: str) -> None:
                           f"{' / '.join(map(repr, feeders))} feeds.")
 
 
-def _validate_server(cfg: OPDConfig, source: str) -> None:
-    """A served teacher's section: where it is, what it serves, and what it cannot do."""
-    server = cfg.teacher.server
+def _model_sections(cfg: OPDConfig) -> list[tuple[str, Any, float, str]]:
+    """``(key, section, GPUs of its actor, the key of those GPUs)`` of the student and of every
+    teacher a route uses (the recipe's ``teacher`` and the named ``teachers``)."""
+    from opd.mixture import DEFAULT_TEACHER, routes_of
+
+    res = cfg.resources
+    used = set(routes_of(cfg, share_models=False).env_teacher.values())
+    out = [("student", cfg.student, res.rollout_gpus, "resources.rollout_gpus")]
+    if DEFAULT_TEACHER in used:
+        out.append(("teacher", cfg.teacher, res.teacher_gpus, "resources.teacher_gpus"))
+    for name, section in cfg.teachers.items():
+        if section.gpus >= 0:
+            out.append((f"teachers.{name}", section, section.gpus, f"teachers.{name}.gpus"))
+        else:
+            out.append((f"teachers.{name}", section, res.teacher_gpus, "resources.teacher_gpus"))
+    return out
+
+
+def _validate_mix(cfg: OPDConfig, algorithm: Algorithm, source: str) -> None:
+    """``env.mix`` and ``teachers``: names, routes to known teachers, every teacher routed to,
+    shares that give each environment episodes, and what several teachers cannot do yet."""
+    from opd.mixture import DEFAULT_TEACHER, NAME, SEP
+
+    names = [str(n) for n in cfg.teachers]
+    for name in names:
+        if not NAME.match(name) or name == DEFAULT_TEACHER:
+            raise ConfigError(f"{source}: key 'teachers.{name}': a teacher's name is letters, digits, _ and - (and not "
+                              f"{DEFAULT_TEACHER!r}, the recipe's teacher section's name in routes).")
+    mix = list(cfg.env.mix)
+    if not mix:
+        if names:
+            raise ConfigError(f"{source}: key 'teachers' names {', '.join(names)} but no environment is routed to "
+                              "them: list the environments under env.mix, each with its teacher (docs/teachers.md).")
+        return
+    seen: set[str] = set()
+    for i, entry in enumerate(mix):
+        key = f"env.mix.{i}"
+        if not NAME.match(str(entry.name)) or SEP in str(entry.name):
+            raise ConfigError(f"{source}: key '{key}.name' is {entry.name!r}; expected letters, digits, _ and - (it "
+                              "names the environment in metrics and task ids).")
+        if entry.name in seen:
+            raise ConfigError(f"{source}: key '{key}.name': {entry.name!r} names two entries of env.mix; give each its own.")
+        seen.add(str(entry.name))
+        if entry.teacher != DEFAULT_TEACHER and entry.teacher not in names:
+            known = ", ".join([DEFAULT_TEACHER, *names])
+            raise ConfigError(f"{source}: key '{key}.teacher' is {entry.teacher!r}, which is no teacher of the recipe; "
+                              f"expected one of {known} (teacher: the recipe's teacher section; the others: keys of "
+                              "teachers).")
+    used = {str(e.teacher) for e in mix}
+    unused = [n for n in names if n not in used]
+    if unused:
+        raise ConfigError(f"{source}: key 'teachers.{unused[0]}': no entry of env.mix routes to it (env.mix.N.teacher); "
+                          "route an environment to it or drop it.")
+    t = cfg.teacher
+    if DEFAULT_TEACHER not in used and (t.path or t.bootstrap is not None or t.server.urls):
+        raise ConfigError(f"{source}: key 'teacher' is set but no entry of env.mix routes to it (each names a key of "
+                          "teachers): route an environment to teacher, or leave the teacher section out.")
+    groups = cfg.rollout.episodes_per_step // cfg.rollout.group_size
+    from opd.mixture import share_counts
+
+    counts = share_counts([float(e.share) for e in mix], groups)
+    for i, (entry, count) in enumerate(zip(mix, counts)):
+        if count == 0:
+            raise ConfigError(f"{source}: key 'env.mix.{i}.share' ({entry.share:g} of {sum(e.share for e in mix):g}) gives "
+                              f"{entry.name!r} none of a step's {groups} task group(s) (rollout.episodes_per_step / "
+                              "group_size): raise its share or rollout.episodes_per_step.")
+    if len(used) > 1:
+        several = f"several teachers ({', '.join(sorted(used))})"
+        if algorithm.name == "pivot_opd":
+            raise ConfigError(f"{source}: key 'algorithm' is pivot_opd, whose pivot finder and hints ask the teacher, "
+                              f"and env.mix routes to {several}: not supported yet; use vanilla_opd, or one teacher.")
+        if cfg.supervision.scoring == "hidden":
+            raise ConfigError(f"{source}: key 'supervision.scoring' is 'hidden', which sends one teacher's output head "
+                              f"to the trainer, and env.mix routes to {several}: use full or topk.")
+        if cfg.curriculum.guide_share > 0:
+            raise ConfigError(f"{source}: key 'curriculum.guide_share' is {cfg.curriculum.guide_share:g}: teacher-played "
+                              f"turns come from one teacher, and env.mix routes to {several}: set it to 0.")
+    for i, entry in enumerate(mix):
+        member = SimpleNamespace(id=entry.id, kwargs=entry.kwargs, module=entry.module,
+                                 train_split=cfg.env.train_split, eval_split=cfg.env.eval_split)
+        _validate_env(member, source, f"env.mix.{i}")
+
+
+def _validate_server(cfg: OPDConfig, teacher: Any, key: str, gpus: float, gpus_key: str, source: str) -> None:
+    """A served teacher's section (``key``): where it is, what it serves, and what it cannot do."""
+    server = teacher.server
     if not server.urls:
-        raise ConfigError(f"{source}: key 'teacher.server.urls' is empty but 'teacher.engine' is 'server': give the "
+        raise ConfigError(f"{source}: key '{key}.server.urls' is empty but '{key}.engine' is 'server': give the "
                           "base URL of each replica, e.g. [http://10.0.0.5:8000] (docs/served_teacher.md).")
     for i, url in enumerate(server.urls):
         if not str(url).startswith(("http://", "https://")):
-            raise ConfigError(f"{source}: key 'teacher.server.urls.{i}' is {url!r}; expected an http:// or https:// URL "
+            raise ConfigError(f"{source}: key '{key}.server.urls.{i}' is {url!r}; expected an http:// or https:// URL "
                               "such as http://10.0.0.5:8000.")
     if not server.model:
-        raise ConfigError(f"{source}: key 'teacher.server.model' is empty: name the served model (vllm serve's "
+        raise ConfigError(f"{source}: key '{key}.server.model' is empty: name the served model (vllm serve's "
                           "--served-model-name, or the model path it was started with).")
-    if cfg.teacher.bootstrap is not None:
-        raise ConfigError(f"{source}: keys 'teacher.bootstrap' and 'teacher.engine: server' both set: a served teacher "
-                          "is the server's model; drop teacher.bootstrap.")
+    if teacher.bootstrap is not None:
+        raise ConfigError(f"{source}: keys '{key}.bootstrap' and '{key}.engine: server' both set: a served teacher "
+                          "is the server's model; drop {key}.bootstrap.")
     if cfg.supervision.scoring in ("full", "hidden"):
-        raise ConfigError(f"{source}: key 'supervision.scoring' is {cfg.supervision.scoring!r} and 'teacher.engine' is "
+        raise ConfigError(f"{source}: key 'supervision.scoring' is {cfg.supervision.scoring!r} and '{key}.engine' is "
                           "server, whose completions API returns prompt logprobs up to a top-k only: set "
-                          "supervision.scoring: topk (or sampled), or run the teacher here with teacher.engine: hf.")
-    if cfg.resources.teacher_gpus > 0:
-        raise ConfigError(f"{source}: key 'resources.teacher_gpus' is {cfg.resources.teacher_gpus:g} but the teacher is "
-                          "served elsewhere (teacher.engine: server): its actor only sends requests; set it to 0.")
+                          "supervision.scoring: topk (or sampled), or run the teacher here with {key}.engine: hf.")
+    if gpus > 0:
+        raise ConfigError(f"{source}: key '{gpus_key}' is {gpus:g} but the teacher is served elsewhere ({key}.engine: "
+                          "server): its actor only sends requests; set it to 0.")
     if server.api_key_env and not str(server.api_key_env).replace("_", "").isalnum():
-        raise ConfigError(f"{source}: key 'teacher.server.api_key_env' is {server.api_key_env!r}; it names an "
+        raise ConfigError(f"{source}: key '{key}.server.api_key_env' is {server.api_key_env!r}; it names an "
                           "environment variable (e.g. OPD_TEACHER_API_KEY), never the key itself.")
 
 
@@ -586,7 +692,7 @@ def _in_hub_cache(repo_id: str, filename: str = "config.json") -> bool:
     return isinstance(try_to_load_from_cache(repo_id, filename), str)
 
 
-def _validate_env(env: Any, source: str) -> None:
+def _validate_env(env: Any, source: str, key: str = "env") -> None:
     import importlib
 
     from opd.envs import UnknownEnvironmentError, make_env, unknown_environment
@@ -595,31 +701,49 @@ def _validate_env(env: Any, source: str) -> None:
         try:
             importlib.import_module(env.module)
         except ImportError as exc:
-            raise ConfigError(f"{source}: key 'env.module': cannot import {env.module!r}: {exc}") from None
+            raise ConfigError(f"{source}: key '{key}.module': cannot import {env.module!r}: {exc}") from None
     try:
         instance = make_env(env.id, **env.kwargs)
     except UnknownEnvironmentError:
-        raise ConfigError(f"{source}: key 'env.id': {unknown_environment(env.id, env.module)}") from None
+        raise ConfigError(f"{source}: key '{key}.id': {unknown_environment(env.id, env.module)}") from None
     except ValueError as exc:
-        raise ConfigError(f"{source}: key 'env': {exc}") from None
+        raise ConfigError(f"{source}: key '{key}': {exc}") from None
     except TypeError as exc:
-        raise ConfigError(f"{source}: key 'env.kwargs': {exc}") from None
+        raise ConfigError(f"{source}: key '{key}.kwargs': {exc}") from None
     except ImportError as exc:
-        raise ConfigError(f"{source}: key 'env.id': {env.id} needs a package that is not installed ({exc}); install "
+        raise ConfigError(f"{source}: key '{key}.id': {env.id} needs a package that is not installed ({exc}); install "
                           "the environments' engines with `pip install -e .[envs]` (scripts/setup.sh does it).") from None
     try:
-        for key in ("train_split", "eval_split"):
+        for split in ("train_split", "eval_split"):
             try:
-                tasks = instance.unwrapped.task_ids(getattr(env, key))
+                tasks = instance.unwrapped.task_ids(getattr(env, split))
             except ValueError as exc:
-                raise ConfigError(f"{source}: key 'env.{key}': {exc}") from None
+                raise ConfigError(f"{source}: key '{f'{key} (env.{split})' if key != 'env' else f'env.{split}'}': "
+                                  f"{exc}") from None
             if not tasks:
-                raise ConfigError(f"{source}: key 'env.{key}': split {getattr(env, key)!r} has no tasks.")
+                where = f" in {key}" if key != "env" else ""
+                raise ConfigError(f"{source}: key 'env.{split}': split {getattr(env, split)!r} has no tasks{where}.")
     finally:
         instance.close()
 
 
-def _validate_resources(res: Any, source: str) -> None:
+def _named_teacher_shares(cfg: OPDConfig) -> tuple[float, float, bool]:
+    """The CPUs and GPUs the named ``teachers``' actors ask for together (each its ``replicas``
+    times its ``cpus`` / ``gpus``, the ``resources.teacher_*`` ones where it leaves them at 0 /
+    -1), and whether the recipe's own ``teacher`` section is routed to."""
+    from opd.mixture import DEFAULT_TEACHER
+
+    res = cfg.resources
+    cpus = gpus = 0.0
+    for section in cfg.teachers.values():
+        n = section.replicas or res.teacher_replicas
+        cpus += n * (section.cpus if section.cpus >= 0 else res.teacher_cpus)
+        gpus += n * (section.gpus if section.gpus >= 0 else res.teacher_gpus)
+    routed = not cfg.env.mix or any(str(e.teacher) == DEFAULT_TEACHER for e in cfg.env.mix)
+    return cpus, gpus, routed
+
+
+def _validate_resources(res: Any, source: str, named: tuple[float, float, bool] = (0.0, 0.0, True)) -> None:
     if os.environ.get("RAY_ADDRESS"):
         return  # a cluster's capacity is checked when the roles are placed (opd.runtime.placement)
     cpus_here = os.cpu_count() or 1
@@ -629,15 +753,16 @@ def _validate_resources(res: Any, source: str) -> None:
         )
     available = res.num_cpus or cpus_here
     # Each share is per actor: teacher_replicas, rollout_replicas and trainer_ranks actors.
-    counts = {"teacher": res.teacher_replicas, "rollout": res.rollout_replicas, "trainer": res.trainer_ranks}
-    wanted = sum(getattr(res, f"{role}_cpus") * n for role, n in counts.items())
+    counts = {"teacher": res.teacher_replicas if named[2] else 0, "rollout": res.rollout_replicas,
+              "trainer": res.trainer_ranks}
+    wanted = sum(getattr(res, f"{role}_cpus") * n for role, n in counts.items()) + named[0]
     if wanted > available + 1e-9:
         raise ConfigError(
             f"{source}: keys 'resources.teacher_cpus' + 'rollout_cpus' + 'trainer_cpus' (each times its role's "
-            f"actors: teacher_replicas, rollout_replicas, trainer_ranks) ask for {wanted:g} CPUs but the local Ray "
-            f"has {available}; lower the shares (fractions are fine)."
+            f"actors: teacher_replicas, rollout_replicas, trainer_ranks){' + teachers.*.cpus' if named[0] else ''} ask "
+            f"for {wanted:g} CPUs but the local Ray has {available}; lower the shares (fractions are fine)."
         )
-    gpus = sum(getattr(res, f"{role}_gpus") * n for role, n in counts.items())
+    gpus = sum(getattr(res, f"{role}_gpus") * n for role, n in counts.items()) + named[1]
     if gpus > 0:
         import torch
 

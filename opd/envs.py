@@ -198,14 +198,27 @@ class EnvFactory:
             raise unknown_environment(self.env_id, self.module) from None
 
     def env_class(self) -> Any:
-        """The environment's registered class, without making one (:func:`env_class`)."""
+        """The environment's registered class, without making one (:func:`env_class`); for a
+        mixed run's (``env.mix``) one with its members' class attributes together
+        (:func:`opd.mixture.mixed_class`)."""
+        from opd.mixture import MIX_ID, mixed_class
+
+        if self.env_id == MIX_ID:
+            return mixed_class(self.kwargs.get("envs", []))
         return env_class(self.env_id, self.module)
 
     @classmethod
     def of(cls, env_cfg: EnvConfig, **kwargs: Any) -> "EnvFactory":
         """The factory of a recipe's ``env`` section (:class:`opd.schema.EnvConfig`), its kwargs as
-        plain containers; ``kwargs`` override the section's (``max_turns=4``)."""
+        plain containers; ``kwargs`` override the section's (``max_turns=4``; for a mixed run's,
+        ``env.mix``, each member's)."""
         from omegaconf import OmegaConf
+
+        from opd.mixture import MIX_ID, member_specs
+
+        if list(env_cfg.mix):
+            members = [{**m, "kwargs": {**m["kwargs"], **kwargs}} for m in member_specs(env_cfg.mix)]
+            return cls(MIX_ID, {"envs": members})
 
         section = env_cfg.kwargs
         plain = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else dict(section)

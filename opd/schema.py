@@ -126,10 +126,35 @@ class ModelConfig:
 
 
 @dataclass
+class MixEnvConfig:
+    """One environment of a mixed run (``env.mix``, docs/teachers.md): its tasks are named
+    ``NAME::TASK`` and its episodes are graded by the teacher it names."""
+
+    name: str = MISSING  # what metrics, the console and the report call it (letters, digits, _ and -)
+    id: str = MISSING  # registered gymnasium id, e.g. opd/FrozenLakeText-v0
+    kwargs: dict[str, Any] = field(default_factory=dict)  # its constructor keyword arguments
+    module: str = ""  # a module to import first, registering an env that lives in your own package
+    share: float = 1.0  # its weight in every step's episodes (the shares are normalised over the mix)
+    teacher: str = "teacher"  # who grades its episodes: a key of `teachers`, or teacher (the recipe's teacher section)
+
+
+@dataclass
+class TeacherConfig(ModelConfig):
+    """A named teacher of ``teachers`` (docs/teachers.md): a model as ``teacher`` is, with its
+    own actors; ``env.mix`` routes environments to it by name."""
+
+    replicas: int = 0  # its actors (scoring shared among them); 0: resources.teacher_replicas
+    cpus: float = -1.0  # CPU share of each of its actors; -1: resources.teacher_cpus
+    gpus: float = -1.0  # GPUs of each of its actors; -1: resources.teacher_gpus
+
+
+@dataclass
 class EnvConfig:
     """The environment, by registered id, and which task splits train and evaluate."""
 
-    id: str = MISSING  # registered gymnasium id, e.g. opd/FrozenLakeText-v0
+    id: str = MISSING  # registered gymnasium id, e.g. opd/FrozenLakeText-v0; left out with `mix`
+    mix: list[MixEnvConfig] = field(default_factory=list)  # several environments in one run (each its share of
+    # every step's episodes, its own teacher); the keys below (splits, isolation, limits) hold for each
     kwargs: dict[str, Any] = field(default_factory=dict)  # constructor keyword arguments
     train_split: str = "train"  # tasks the student trains on
     eval_split: str = "eval"  # held-out tasks for evaluation
@@ -323,6 +348,8 @@ class OPDConfig:
     algorithm: str = "vanilla_opd"  # a registered algorithm (opd.algorithms.ALGORITHMS): vanilla_opd | grpo | pivot_opd | actfirst_opd
     student: ModelConfig = field(default_factory=ModelConfig)
     teacher: ModelConfig = field(default_factory=ModelConfig)
+    teachers: dict[str, TeacherConfig] = field(default_factory=dict)  # more teachers by name, each graded
+    # environment of env.mix routed to one (docs/teachers.md); two that name the same model load it once
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
@@ -383,6 +410,8 @@ BOUNDS: dict[type, dict[str, Bound]] = {
                    "retries": Bound(0, 1_000), "in_flight": Bound(1, 1_024), "prompts_per_request": Bound(1, 65_536),
                    "replica_tolerance": Bound(0, 100)},
     LoraConfig: {"rank": Bound(0, 65_536), "alpha": Bound(0, 1e6, low_strict=True), "dropout": Bound(0, 1, high_strict=True)},
+    TeacherConfig: {"replicas": Bound(0, 4_096), "cpus": Bound(-1, 100_000), "gpus": Bound(-1, 10_000)},
+    MixEnvConfig: {"share": Bound(0, 1e6, low_strict=True)},
     EnvConfig: {"timeout_s": Bound(0, 86_400, low_strict=True), "memory_limit_mb": Bound(0, 10**8),
                 "cpu_time_limit_s": Bound(0, 86_400)},
     RolloutConfig: {"episodes_per_step": _COUNT, "max_new_tokens": _TOKENS, "temperature": Bound(0, 100),
@@ -411,3 +440,11 @@ BOUNDS: dict[type, dict[str, Bound]] = {
                       "placement_timeout_s": Bound(0, 10**7, low_strict=True), "teacher_replicas": Bound(1, 4_096),
                       "rollout_replicas": Bound(1, 4_096), "trainer_ranks": Bound(1, 4_096)},
 }
+
+
+def bound_of(schema: type, name: str) -> Bound | None:
+    """The bound of field ``name`` of dataclass ``schema``, or of the class it inherits it from."""
+    for cls in schema.__mro__:
+        if name in BOUNDS.get(cls, {}):
+            return BOUNDS[cls][name]
+    return None

@@ -28,7 +28,7 @@ changes nothing in the gradient but the cost.
 from __future__ import annotations
 
 from opd.algorithms.base import Algorithm, BatchPlan, PolicyHost, RunContext
-from opd.algorithms.step import (StepClock, episode_metrics, step_tasks, teacher_metrics, train_and_sync,
+from opd.algorithms.step import (StepClock, episode_metrics, mix_metrics, step_tasks, teacher_metrics, train_and_sync,
                                  with_group_advantages, with_reverse_kl_headline)
 from opd.generation.base import TokenScores
 from opd.rollout.actfirst import ActFirstSettings, ActFirstStats, TransitionCheck, run_actfirst_episodes
@@ -121,6 +121,7 @@ def train_step(ctx: RunContext, step: int) -> dict[str, float]:
     metrics.update(episode_metrics(trajs, {**extra, "generated_tokens": float(stats.fast_tokens + stats.full_tokens),
                                            "generation_s": stats.generation_s}, cfg.rollout.group_size))
     metrics.update(teacher_metrics(scored))
+    metrics.update(mix_metrics(trajs, scores, ctx.routes))
     metrics["teacher_logprob_per_token"] = sum(sum(s.logprobs) for s in scores) / max(stats.full_tokens, 1)
     return clock.finish(with_reverse_kl_headline(metrics))
 

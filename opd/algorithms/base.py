@@ -25,6 +25,7 @@ from opd.chat import ChatFormat
 from opd.curriculum import Curriculum
 from opd.envs import EnvFactory
 from opd.generation.base import Engine, TokenScores
+from opd.mixture import TaskMix, TeacherRoutes
 from opd.rollout.vanilla import EpisodeSettings
 from opd.schema import ConfigError, OPDConfig, SupervisionConfig
 from opd.trajectory import TokenBatch, Trajectory
@@ -159,6 +160,9 @@ class RunContext:
             :func:`opd.algorithms.step.student_episodes`.
         curriculum: the curriculum (:mod:`opd.curriculum`): each step's episode settings
             (:meth:`settings_for`) and which of its turns train.
+        mix: with ``env.mix``, the training tasks by environment and their shares of a step
+            (:mod:`opd.mixture`); None for one environment.
+        routes: which teacher grades each environment's episodes (:class:`opd.mixture.TeacherRoutes`).
     """
 
     cfg: OPDConfig
@@ -172,6 +176,8 @@ class RunContext:
     episodes: EpisodeRecorder = field(default_factory=NoRecorder)
     rollouts: StepRollouts = field(default_factory=lambda: StepRollouts(0, 0))
     curriculum: Curriculum | None = None
+    mix: TaskMix | None = None
+    routes: TeacherRoutes = field(default_factory=TeacherRoutes.single)
 
     def settings_for(self, step: int, tasks: list[str] | None = None) -> EpisodeSettings:
         """Step ``step``'s training episode settings for its ``tasks`` (a forward depth curriculum

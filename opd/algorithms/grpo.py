@@ -15,7 +15,8 @@ One step, top to bottom:
 from __future__ import annotations
 
 from opd.algorithms.base import Algorithm, RunContext, require_groups
-from opd.algorithms.step import StepClock, build_token_batch, episode_metrics, student_episodes, train_and_sync
+from opd.algorithms.step import (StepClock, build_token_batch, episode_metrics, mix_metrics, student_episodes,
+                                 train_and_sync)
 from opd.schema import OPDConfig
 
 
@@ -28,6 +29,7 @@ def train_step(ctx: RunContext, step: int) -> dict[str, float]:
     batch = build_token_batch(trajs, None, ctx.fmt.pad_id, ctx.fmt, ctx.cfg.rollout.group_size)
     metrics = train_and_sync(ctx, batch, clock)
     metrics.update(episode_metrics(trajs, gen, ctx.cfg.rollout.group_size))
+    metrics.update(mix_metrics(trajs, None, ctx.routes))
     return clock.finish(metrics)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import replace
+from typing import Callable
 
 import torch
 
@@ -26,6 +27,7 @@ from opd.algorithms.base import BatchPlan, RunContext, Scored
 from opd.chat import ChatFormat, student_sequence
 from opd.generation.base import TokenScores
 from opd.losses import group_advantages
+from opd.mixture import TeacherRoutes, by_environment
 from opd.schema import OPDConfig
 from opd.supervision.teacher_view import with_teacher_scores
 from opd.trajectory import TokenBatch, Trajectory, success_rate
@@ -61,10 +63,13 @@ def student_episodes(ctx: RunContext, step: int) -> tuple[list[Trajectory], dict
 
 def step_tasks(ctx: RunContext, step: int) -> tuple[list[str], int]:
     """Step ``step``'s training tasks (``rollout.episodes_per_step``, in groups of
-    ``rollout.group_size``) and its sampling seed."""
+    ``rollout.group_size``; with ``env.mix`` each environment's share) and its sampling seed."""
     rollout = ctx.cfg.rollout
-    return sample_tasks(ctx.train_tasks, rollout.episodes_per_step, ctx.cfg.run.seed, step, rollout.group_size), \
-        step_seed(ctx.cfg, step)
+    if ctx.mix is not None:  # env.mix: each environment's share of the step, in the mix's order
+        tasks = ctx.mix.sample(rollout.episodes_per_step, ctx.cfg.run.seed, step, rollout.group_size)
+    else:
+        tasks = sample_tasks(ctx.train_tasks, rollout.episodes_per_step, ctx.cfg.run.seed, step, rollout.group_size)
+    return tasks, step_seed(ctx.cfg, step)
 
 
 # -- the batch -----------------------------------------------------------------------------------
@@ -174,23 +179,47 @@ def teacher_metrics(scores: list[TokenScores] | Scored) -> dict[str, float]:
     return {"teacher_payload_mb": size / 2**20}
 
 
-def kl_by_turn(trajs: list[Trajectory], scores: list[TokenScores]) -> dict[str, float]:
-    """``kl_turn/<t>`` (``t`` from 01, two digits so that the keys sort): per response token of
-    the trained turns at index ``t``, the student's behaviour logprob minus the teacher's (the
-    sampled reverse KL at the sampling temperature). Compounding errors show as a KL that rises
-    with ``t`` (docs/curricula.md)."""
-    sums: dict[int, float] = {}
-    counts: dict[int, int] = {}
+def sampled_kl(trajs: list[Trajectory], scores: list[TokenScores],
+               key: Callable[[Trajectory, int], str]) -> dict[str, float]:
+    """Per ``key(trajectory, turn index from 1)``: the mean over the response tokens of trained
+    turns of the student's behaviour logprob minus the teacher's (the sampled reverse KL at the
+    sampling temperature)."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for traj, score in zip(trajs, scores):
         start = 0
         for t, turn in enumerate(traj.turns, start=1):
             n = len(turn.response_ids)
             if turn.trained and n:
                 teacher = score.logprobs[start:start + n]
-                sums[t] = sums.get(t, 0.0) + sum(b - a for b, a in zip(turn.response_logprobs, teacher))
-                counts[t] = counts.get(t, 0) + n
+                k = key(traj, t)
+                sums[k] = sums.get(k, 0.0) + sum(b - a for b, a in zip(turn.response_logprobs, teacher))
+                counts[k] = counts.get(k, 0) + n
             start += n
-    return {f"kl_turn/{t:02d}": sums[t] / counts[t] for t in sorted(counts)}
+    return {k: sums[k] / counts[k] for k in sorted(counts)}
+
+
+def kl_by_turn(trajs: list[Trajectory], scores: list[TokenScores]) -> dict[str, float]:
+    """``kl_turn/<t>`` (``t`` from 01, two digits so that the keys sort): :func:`sampled_kl` of
+    the trained turns at index ``t``. Compounding errors show as a KL that rises with ``t``
+    (docs/curricula.md)."""
+    return sampled_kl(trajs, scores, lambda traj, t: f"kl_turn/{t:02d}")
+
+
+def mix_metrics(trajs: list[Trajectory], scores: list[TokenScores] | None,
+                routes: TeacherRoutes | None) -> dict[str, float]:
+    """A mixed or multi-teacher step's figures apart (docs/teachers.md): ``success/<env>`` and
+    ``return/<env>`` per environment of ``env.mix``, and ``kl/<teacher>`` (:func:`sampled_kl`)
+    per teacher when there are several; nothing for a run of one environment."""
+    if routes is None or list(routes.env_teacher) == [""]:
+        return {}
+    out: dict[str, float] = {}
+    for env, group in by_environment(trajs).items():
+        out[f"success/{env}"] = success_rate(group)
+        out[f"return/{env}"] = sum(t.total_reward for t in group) / len(group)
+    if scores is not None and len(set(routes.env_teacher.values())) > 1:
+        out.update(sampled_kl(trajs, scores, lambda traj, t: f"kl/{routes.teacher_of(traj.task)}"))
+    return out
 
 
 def with_reverse_kl_headline(metrics: dict[str, float]) -> dict[str, float]:

@@ -23,8 +23,8 @@ OPD does the same for the reverse-KL term.
 from __future__ import annotations
 
 from opd.algorithms.base import Algorithm, BatchPlan, RunContext
-from opd.algorithms.step import (StepClock, build_token_batch, episode_metrics, kl_by_turn, student_episodes,
-                                 teacher_metrics, train_and_sync, with_reverse_kl_headline)
+from opd.algorithms.step import (StepClock, build_token_batch, episode_metrics, kl_by_turn, mix_metrics,
+                                 student_episodes, teacher_metrics, train_and_sync, with_reverse_kl_headline)
 from opd.trajectory import Trajectory
 
 
@@ -45,6 +45,7 @@ def train_step(ctx: RunContext, step: int) -> dict[str, float]:
     metrics.update(lockstep_decode_metrics(trajs))
     metrics.update(teacher_metrics(scored))
     metrics.update(kl_by_turn(trajs, scored.light))
+    metrics.update(mix_metrics(trajs, scored.light, ctx.routes))
     return clock.finish(with_reverse_kl_headline(metrics))
 
 

@@ -85,13 +85,18 @@ def resolve_model_path(model_cfg: ModelConfig, env_cfg: EnvConfig, seed: int, lo
     return model_cfg.path
 
 
-def resolve_teacher_path(cfg, log: Callable[[str], None]) -> str:
-    """The teacher's model directory (:func:`resolve_model_path`); for a teacher served over HTTP
-    (``teacher.engine: server``) the directory of its tokenizer, the student's when
-    ``teacher.path`` is empty (the run's start checks that the server's tokenizer is that one)."""
-    if cfg.teacher.engine == "server" and not cfg.teacher.path:
+def resolve_teacher_path(cfg, log: Callable[[str], None], name: str = "teacher") -> str:
+    """Teacher ``name``'s model directory (:func:`resolve_model_path`): the recipe's ``teacher``
+    section, or a key of ``teachers`` (built, for a ``bootstrap`` section, on the environment
+    routed to it, :func:`opd.mixture.teacher_env`); for a teacher served over HTTP (``engine:
+    server``) the directory of its tokenizer, the student's when its ``path`` is empty (the run's
+    start checks that the server's tokenizer is that one)."""
+    from opd.mixture import DEFAULT_TEACHER, teacher_env
+
+    section = cfg.teacher if name == DEFAULT_TEACHER else cfg.teachers[name]
+    if section.engine == "server" and not section.path:
         return resolve_model_path(cfg.student, cfg.env, cfg.run.seed + 1, log)
-    return resolve_model_path(cfg.teacher, cfg.env, cfg.run.seed, log)
+    return resolve_model_path(section, teacher_env(cfg, name), cfg.run.seed, log)
 
 
 def existing_model_path(model_cfg: ModelConfig, env_cfg: EnvConfig, seed: int) -> Path | None:

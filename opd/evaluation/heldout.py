@@ -13,6 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from opd.algorithms.base import Role, RunContext
+from opd.mixture import by_environment
 from opd.trajectory import Trajectory, success_rate
 
 
@@ -21,16 +22,35 @@ def evaluate(ctx: RunContext, who: Role, step: int = 0) -> dict[str, float]:
     ``eval/{who}_success``, ``eval/{who}_return`` and ``eval/{who}_turns`` (means per episode),
     ``eval/{who}_time_s``, ``eval/{who}_valid_action_rate`` (where the environment says which
     actions it accepted) and each figure the environment reports (its ``report_keys``:
-    ``eval/{who}_score``, ``eval/{who}_value`` ...)."""
+    ``eval/{who}_score``, ``eval/{who}_value`` ...); in a mixed run also each environment's
+    (:func:`by_env_figures`)."""
     trajs, gen = ctx.workers.collect(who, ctx.env_factory, ctx.eval_tasks, ctx.eval_settings, ctx.cfg.run.seed)
     ctx.episodes.evaluation(step, who, trajs)
+    return {**by_env_figures(trajs, who, ctx.eval_settings.report_keys), **figures(trajs, who, gen["generation_s"],
+                                                                                   ctx.eval_settings.report_keys)}
+
+
+def by_env_figures(trajs: list[Trajectory], who: Role, keys: tuple[str, ...]) -> dict[str, float]:
+    """A mixed run's (``env.mix``) held-out figures per environment: ``eval/<env>/{who}_success``
+    and the rest of :func:`figures` but time; nothing for a run of one environment (the teacher
+    that plays a mixed run's ``who="teacher"`` evaluation is each environment's own)."""
+    groups = by_environment(trajs)
+    if list(groups) == [""]:
+        return {}
+    return {key.replace("eval/", f"eval/{env}/", 1): value for env, part in groups.items()
+            for key, value in figures(part, who, None, keys).items()}
+
+
+def figures(trajs: list[Trajectory], who: Role, seconds: float | None, keys: tuple[str, ...]) -> dict[str, float]:
+    """``eval/{who}_success``, ``_return``, ``_turns``, ``_time_s`` (unless ``seconds`` is None),
+    ``_valid_action_rate`` and the environment's own figures (``keys``) of ``trajs``."""
     return {
         f"eval/{who}_success": success_rate(trajs),
         f"eval/{who}_return": sum(t.total_reward for t in trajs) / max(len(trajs), 1),
         f"eval/{who}_turns": sum(len(t.turns) for t in trajs) / max(len(trajs), 1),
-        f"eval/{who}_time_s": gen["generation_s"],
+        **({f"eval/{who}_time_s": seconds} if seconds is not None else {}),
         **({f"eval/{who}_valid_action_rate": valid} if (valid := valid_action_rate(trajs)) is not None else {}),
-        **{f"eval/{who}_{k}": v for k, v in env_figures(trajs, ctx.eval_settings.report_keys).items()},
+        **{f"eval/{who}_{k}": v for k, v in env_figures(trajs, keys).items()},
     }
 
 

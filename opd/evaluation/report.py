@@ -107,13 +107,17 @@ def render_summary(console: Any, summary: dict[str, Any], cfg: OPDConfig) -> Non
     def row(label: str, success: float | None, who: str) -> None:
         table.add_row(label, fmt(success), *(figure(key, figures.get(who, {}).get(key)) for key in extra))
 
-    row(f"teacher ({_source(cfg.teacher)})", summary["teacher_success"], "teacher")
+    teachers = sorted({str(e.teacher) for e in cfg.env.mix})
+    row(f"teacher ({_source(cfg.teacher)})" if len(teachers) < 2 else f"teachers ({', '.join(teachers)})",
+        summary["teacher_success"], "teacher")
     row(f"student before ({_source(cfg.student)})", summary["student_success_before"], "student_before")
     kind = "GRPO" if cfg.algorithm == "grpo" else "OPD"  # the one algorithm here that is not distillation
     steps = summary["steps"]
     row(f"student after {steps} {kind} step{'' if steps == 1 else 's'}", summary["student_success_after"],
         "student_after")
     console.print(table)
+    if summary.get("by_environment"):
+        console.print(environment_table(summary["by_environment"]))
     check = summary.get("teacher_check")
     if check and not check["teacher_better"]:
         console.print(f"[bold yellow]the teacher was not clearly better than the student before training[/] "
@@ -130,6 +134,30 @@ def render_summary(console: Any, summary: dict[str, Any], cfg: OPDConfig) -> Non
         f"teacher scoring {split['teacher_scoring_s_per_step']:.2f}s, training {split['training_s_per_step']:.2f}s, "
         f"weight sync {split['weight_sync_s_per_step']:.3f}s. Run directory: {summary['run_dir']}"
     )
+
+
+def lift_kept(figures: dict[str, Any]) -> float | None:
+    """The share of its teacher's lead over the student before training that the student closed
+    by the end, ``(after - before) / (teacher - before)`` (None where the teacher led by nothing)."""
+    teacher, before, after = (figures.get(k) for k in ("teacher", "student_before", "student_after"))
+    if None in (teacher, before, after) or teacher - before <= 0:
+        return None
+    return (after - before) / (teacher - before)
+
+
+def environment_table(by_env: dict[str, dict[str, Any]]) -> Any:
+    """A mixed run's held-out success per environment (``summary.json``'s ``by_environment``):
+    its teacher, the student before and after, and the share of the teacher's lead closed."""
+    from rich.table import Table
+
+    fmt = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    table = Table(title="held-out success per environment (env.mix)")
+    for column in ("environment", "teacher", "teacher success", "student before", "student after", "lead closed"):
+        table.add_column(column, justify="left" if column in ("environment", "teacher") else "right")
+    for env, figures in by_env.items():
+        table.add_row(env, figures.get("teacher_name", ""), fmt(figures.get("teacher")),
+                      fmt(figures.get("student_before")), fmt(figures.get("student_after")), fmt(lift_kept(figures)))
+    return table
 
 
 def _source(model_cfg: ModelConfig) -> str:

@@ -332,7 +332,7 @@ PROBE_TEXT = ("You are in the middle of a room. Looking quickly around you, you 
               "héllo 東京 🙂\t  done.")
 
 
-def check_server(spec: ServerSpec, tokenizer) -> dict[str, Any]:
+def check_server(spec: ServerSpec, tokenizer, key: str = "teacher.server") -> dict[str, Any]:
     """The start's checks of a served teacher, each failing within seconds with a
     :class:`ServerError` that names the URL and what was there instead:
 
@@ -343,7 +343,7 @@ def check_server(spec: ServerSpec, tokenizer) -> dict[str, Any]:
     3. the replicas agree: each scores the probe, and one whose logprobs differ from the first's by
        more than ``replica_tolerance`` is named.
 
-    Returns ``max_model_len`` (the smallest over replicas, 0 if none says), the probe's largest
+    ``key`` is the recipe section the messages name. Returns ``max_model_len`` (the smallest over replicas, 0 if none says), the probe's largest
     logprob difference between replicas, and the seconds the checks took.
     """
     from opd.models import TokenizerMismatchError
@@ -353,7 +353,7 @@ def check_server(spec: ServerSpec, tokenizer) -> dict[str, Any]:
     headers = replicas._headers()
     lengths = []
     for i, url in enumerate(replicas.urls):
-        where = f"teacher.server.urls.{i} ({url})"
+        where = f"{key}.urls.{i} ({url})"
         try:
             listing = request_json(url + "/v1/models", None, headers, spec.connect_timeout_s)
         except ServerError as exc:
@@ -362,7 +362,7 @@ def check_server(spec: ServerSpec, tokenizer) -> dict[str, Any]:
             raise ServerError(f"{where}: {exc}; {hint}", url, exc.status) from None
         served = {m.get("id"): m for m in listing.get("data", []) if isinstance(m, dict)}
         if spec.model not in served:
-            raise ServerError(f"{where} serves {sorted(served) or 'no model'}, not {spec.model!r} (teacher.server.model): "
+            raise ServerError(f"{where} serves {sorted(served) or 'no model'}, not {spec.model!r} ({key}.model): "
                               "name one of those, or point the URL at the server of that model", url)
         if served[spec.model].get("max_model_len"):
             lengths.append(int(served[spec.model]["max_model_len"]))
@@ -377,7 +377,7 @@ def check_server(spec: ServerSpec, tokenizer) -> dict[str, Any]:
         decoded = [request_json(url + "/detokenize", {"model": spec.model, "tokens": [i]}, headers,
                                 spec.timeout_s).get("prompt") for i in spread]
     except ServerError as exc:
-        raise ServerError(f"teacher.server.urls.0 ({url}): its tokenizer cannot be compared with the student's "
+        raise ServerError(f"{key}.urls.0 ({url}): its tokenizer cannot be compared with the student's "
                           f"(/tokenize and /detokenize, as vllm serve has them): {exc}", url, exc.status) from None
     problems = []
     if remote.get("tokens") != local_ids:
@@ -406,9 +406,9 @@ def check_server(spec: ServerSpec, tokenizer) -> dict[str, Any]:
             diff = max(abs(a - b) for a, b in zip(reference, values))
             worst = max(worst, diff)
             if diff > spec.replica_tolerance:
-                raise ServerError(f"teacher.server.urls.{i} ({url}) disagrees with teacher.server.urls.0 "
+                raise ServerError(f"{key}.urls.{i} ({url}) disagrees with {key}.urls.0 "
                                   f"({replicas.urls[0]}) on a probe: logprobs differ by up to {diff:.3g}, above "
-                                  f"teacher.server.replica_tolerance ({spec.replica_tolerance:g}). Replicas that "
+                                  f"{key}.replica_tolerance ({spec.replica_tolerance:g}). Replicas that "
                                   "disagree give a noisier signal than the one being learnt: serve the same "
                                   "checkpoint, dtype and settings on every replica", url)
     return {"max_model_len": max_model_len, "replica_difference": worst, "seconds": time.perf_counter() - start}

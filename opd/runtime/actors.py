@@ -24,16 +24,17 @@ import re
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from opd.algorithms.base import BatchPlan, Role, Scored
 from opd.envs import EnvFactory
 from opd.generation.base import TokenScores
+from opd.mixture import DEFAULT_TEACHER, TeacherRoutes
 from opd.rollout.vanilla import EpisodeSettings
 from opd.runtime.errors import WorkerError
-from opd.runtime.workers import RolloutWorker, TeacherWorker, role_specs
+from opd.runtime.workers import RolloutWorker, TeacherWorker, merge_collected, role_specs, shares
 from opd.schema import OPDConfig, ResourcesConfig, SupervisionConfig
 from opd.trajectory import TokenBatch, Trajectory
 
@@ -60,8 +61,13 @@ class RayWorkers:
     groups: dict[str, Any] | None = None  # each role's placement group (opd.runtime.placement)
     gathered_export: bool = False  # every trainer rank takes part in export_weights (ZeRO-3)
     chaos: Any = None  # a chaos run's injector (opd.runtime.chaos), which every wait goes through
+    teacher_groups: dict[str, list[Any]] = field(default_factory=dict)  # each teacher model's replicas by
+    # group name (opd.mixture.TeacherRoutes; ``teachers`` holds them all); empty: one group, ``teachers``
+    routes: TeacherRoutes = field(default_factory=TeacherRoutes.single)
 
     def __post_init__(self) -> None:
+        if not self.teacher_groups:
+            self.teacher_groups = {self.routes.groups[0]: self.teachers}
         # The groups live as long as this handle, as the actors do (Ray ends an actor whose last
         # handle is gone): a driver that runs recipe after recipe does not leave reservations behind.
         if self.groups:
@@ -151,8 +157,21 @@ class RayWorkers:
                 continue
         return None
 
+    def _teacher_parts(self, items: list, task: Callable[[Any], str] = lambda item: item.task) -> list[tuple[Any, int, list]]:
+        """``items`` (tasks or trajectories) in order as ``(teacher actor, index of the first,
+        part)``: runs of one teacher model (its environment's, :class:`opd.mixture.TeacherRoutes`),
+        each shared among that model's replicas."""
+        out = []
+        for group, first, run in self.routes.runs(items, task):
+            replicas = self.teacher_groups[group]
+            out += [(replicas[k], first + offset, part) for k, (offset, part) in enumerate(shares(run, len(replicas)))]
+        return out
+
     def _collect_refs(self, who: Role, env_factory: EnvFactory, tasks: list[str], settings: EpisodeSettings,
                       seed: int) -> tuple[str, list[Any]]:
+        if who == "teacher":  # each task played by its environment's teacher
+            return "teacher", [actor.collect.remote(env_factory, part, settings, seed, first, None)
+                               for actor, first, part in self._teacher_parts(tasks, str)]
         role, hosts = self._hosts(who)
         refs = []
         for first, part in shares(tasks, len(hosts)):
@@ -173,16 +192,16 @@ class RayWorkers:
         return _InFlight(self, refs, role, "collect", merge_collected)
 
     def score(self, trajs: list[Trajectory], supervision: SupervisionConfig) -> list[TokenScores]:
-        refs = [self.teachers[k].score.remote(part, supervision)
-                for k, (_, part) in enumerate(shares(trajs, len(self.teachers)))]
+        refs = [actor.score.remote(part, supervision) for actor, _, part in self._teacher_parts(trajs)]
         return [scores for part in self._await(refs, "teacher", "score") for scores in part]
 
     def score_for_training(self, trajs: list[Trajectory], supervision: SupervisionConfig) -> Scored:
         """The teachers' scores left in the object store: the driver fetches only the light part
-        (:meth:`TeacherWorker.score_split`)."""
+        (:meth:`TeacherWorker.score_split`); the parts, one per replica's share of a run of one
+        teacher, in the trajectories' order."""
         whole, light = [], []
-        for k, (_, part) in enumerate(shares(trajs, len(self.teachers))):
-            heavy_ref, light_ref = self.teachers[k].score_split.options(num_returns=2).remote(part, supervision)
+        for actor, _, part in self._teacher_parts(trajs):
+            heavy_ref, light_ref = actor.score_split.options(num_returns=2).remote(part, supervision)
             whole.append(heavy_ref)
             light.append(light_ref)
         try:
@@ -245,35 +264,6 @@ class ActorGuide:
         return ray.get(self.actor.generate.remote(prompts, params))
 
 
-def shares(items: list, parts: int) -> list[tuple[int, list]]:
-    """``items`` cut in order into at most ``parts`` runs of near-equal length (the longer ones
-    first), each with the index of its first item; empty runs left out.
-
-    Example:
-        >>> shares(list("abcde"), 2)
-        [(0, ['a', 'b', 'c']), (3, ['d', 'e'])]
-    """
-    size, extra = divmod(len(items), max(1, parts))
-    out, start = [], 0
-    for p in range(max(1, parts)):
-        n = size + (1 if p < extra else 0)
-        if n:
-            out.append((start, items[start : start + n]))
-        start += n
-    return out or [(0, [])]
-
-
-def merge_collected(parts: list[tuple[list[Trajectory], dict[str, float]]]) -> tuple[list[Trajectory], dict[str, float]]:
-    """The replicas' ``collect`` answers as one: trajectories in order, the wall time of the
-    slowest, counts added up."""
-    trajs = [t for part, _ in parts for t in part]
-    timing: dict[str, float] = {}
-    for _, part in parts:
-        for k, v in part.items():
-            timing[k] = max(timing.get(k, 0.0), v) if k.endswith("_s") else timing.get(k, 0.0) + v
-    return trajs, timing
-
-
 @dataclass
 class _InFlight:
     """Actor calls started by :meth:`RayWorkers.collect_later`; ``result()`` waits for them as
@@ -304,15 +294,22 @@ def spawn_workers(cfg: OPDConfig, student_path: str, teacher_path: str) -> RayWo
     """
     import ray
 
-    from opd.runtime.placement import actor_options, group_nodes, reserve, role_requests
+    from opd.runtime.placement import RoleRequest, actor_options, group_nodes, reserve, role_requests
     from opd.training.trainer import StudentTrainer
 
     res = cfg.resources
     specs = role_specs(cfg, student_path, teacher_path)
     counts = role_counts(res)
-    # Each role's resources are reserved first (a placement group per role, refused at once when
-    # the cluster cannot hold it); the actors then start inside their groups.
-    groups = reserve(role_requests(res, counts), timeout_s=res.placement_timeout_s)
+    # Each role's resources are reserved first (a placement group per role, and per teacher model
+    # of several, refused at once when the cluster cannot hold it); the actors then start inside.
+    requests = [r for r in role_requests(res, counts) if r.role != "teacher"]
+    strategy = str(res.placement).lower()
+    for name, group in specs.teachers.items():
+        bundle = {"CPU": group.cpus, **({"GPU": group.gpus} if group.gpus > 0 else {})}
+        keys = "resources.teacher_cpus / teacher_gpus" if name == DEFAULT_TEACHER else f"teachers.{name}.cpus / gpus"
+        requests.insert(0, RoleRequest(teacher_role(name), tuple(dict(bundle) for _ in range(group.replicas)), strategy,
+                                       keys))
+    groups = reserve(requests, timeout_s=res.placement_timeout_s)
     # Ray would set OMP_NUM_THREADS to an actor's (rounded-down) CPU share; on a small machine
     # the phases run one after another, so each actor may use every core while it works.
     thread_env = {"env_vars": {"OMP_NUM_THREADS": str(specs.threads)}}
@@ -322,7 +319,12 @@ def spawn_workers(cfg: OPDConfig, student_path: str, teacher_path: str) -> RayWo
             num_cpus=getattr(res, f"{role}_cpus"), num_gpus=getattr(res, f"{role}_gpus"), runtime_env=thread_env,
             **actor_options(groups[role], index)).remote(*args, **kwargs)
 
-    teachers = [start(TeacherWorker, "teacher", k, specs.teacher) for k in range(counts["teacher"])]
+    teacher_groups = {
+        name: [ray.remote(TeacherWorker).options(num_cpus=group.cpus, num_gpus=group.gpus, runtime_env=thread_env,
+                                                 **actor_options(groups[teacher_role(name)], k)).remote(group.spec)
+               for k in range(group.replicas)]
+        for name, group in specs.teachers.items()}
+    teachers = [actor for replicas in teacher_groups.values() for actor in replicas]
     rollouts = [start(RolloutWorker, "rollout", m, specs.rollout) for m in range(counts["rollout"])]
     ranks = counts["trainer"]
     rendezvous = None
@@ -334,12 +336,19 @@ def spawn_workers(cfg: OPDConfig, student_path: str, teacher_path: str) -> RayWo
     trainers = [start(StudentTrainer, "trainer", r, specs.trainer, rank=r, world_size=ranks, rendezvous=rendezvous)
                 for r in range(ranks)]
     workers = RayWorkers(teachers=teachers, rollouts=rollouts, trainers=trainers, timeout_s=res.actor_timeout_s,
-                         groups=groups, gathered_export=ranks > 1 and int(cfg.trainer.zero_stage) == 3)
+                         groups=groups, gathered_export=ranks > 1 and int(cfg.trainer.zero_stage) == 3,
+                         teacher_groups=teacher_groups, routes=specs.routes)
     if cfg.supervision.scoring == "hidden":
         # The teacher's head goes once, through the object store, to every rank (not the driver).
         head = teachers[0].output_head.remote()
         workers._await([t.set_teacher_head.remote(head) for t in trainers], "trainer", "set_teacher_head")
     return workers
+
+
+def teacher_role(name: str) -> str:
+    """The placement group's role name of teacher group ``name``: ``teacher``, or ``teacher-NAME``
+    for a named one of ``teachers``."""
+    return "teacher" if name == DEFAULT_TEACHER else f"teacher-{name}"
 
 
 def role_counts(resources: ResourcesConfig) -> dict[str, int]:

@@ -57,6 +57,7 @@ from opd.evaluation.report import render_summary, step_status, training_progress
 from opd.evaluation.run_dir import RunDir
 from opd.evaluation.trajectories import RunEpisodes
 from opd.losses import LossError
+from opd.mixture import DEFAULT_TEACHER, TaskMix, by_environment, routes_of
 from opd.models import TokenizerMismatchError, check_tokenizers_match, load_tokenizer
 from opd.rollout.vanilla import episode_settings
 from opd.runtime.errors import RunError, WorkerError
@@ -251,11 +252,11 @@ class TrainingRun:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.run_dir / "config.yaml", to_yaml(self.cfg))
         start = time.perf_counter()
-        student_path, teacher_path, tokenizers = self._models()
+        student_path, teacher_paths, tokenizers = self._models()
         self._check_losses(len(tokenizers["student"]))
         self._check_space(Path(student_path))
         env_factory, train_tasks, eval_tasks = self._tasks()
-        self.workers = self._start_workers(student_path, teacher_path)
+        self.workers = self._start_workers(student_path, teacher_paths)
         cfg = self.cfg
         self.ctx = RunContext(cfg, self.workers, env_factory, train_tasks, eval_tasks,
                               episode_settings(cfg, cfg.rollout.temperature),
@@ -264,7 +265,10 @@ class TrainingRun:
                               RunEpisodes(self.run_dir, tokenizers, cfg.run.trajectory_every_steps,
                                           cfg.run.trajectory_episodes, cfg.run.total_steps),
                               StepRollouts(cfg.run.async_steps, cfg.run.total_steps),
-                              Curriculum(cfg, self._prefix_references()))
+                              Curriculum(cfg, self._prefix_references()),
+                              TaskMix(by_environment(train_tasks, str), {str(e.name): float(e.share) for e in cfg.env.mix})
+                              if cfg.env.mix else None,
+                              routes_of(cfg))
         self.algorithm = get_algorithm(cfg.algorithm)
         if self.resume:
             self._load_checkpoint()
@@ -284,9 +288,10 @@ class TrainingRun:
         if self.resume:
             check_recipe_unchanged(self.cfg)
 
-    def _models(self) -> tuple[str, str, dict[str, Any]]:
-        """The student's and the teacher's model directories (built first where the recipe says)
-        and tokenizers, which must match unless ``supervision.cross_tokenizer`` aligns them."""
+    def _models(self) -> tuple[str, dict[str, str], dict[str, Any]]:
+        """The student's model directory and each teacher model's (by group name,
+        :func:`opd.mixture.routes_of`; built first where the recipe says), and the tokenizers,
+        which must match unless ``supervision.cross_tokenizer`` aligns them."""
         cfg = self.cfg
         student_path = resolve_model_path(cfg.student, cfg.env, cfg.run.seed + 1, self.log)
         if cfg.student.lora.rank > 0:
@@ -296,50 +301,63 @@ class TrainingRun:
                 check_model_dir(student_path, list(cfg.student.lora.target_modules), bool(cfg.student.trust_remote_code))
             except ValueError as exc:
                 raise ConfigError(f"{exc} (the student at {student_path})") from None
-        served = cfg.teacher.engine == "server"  # teacher_path: its tokenizer's, the student's if teacher.path is ""
-        teacher_path = resolve_teacher_path(cfg, self.log)
-        tokenizers = {"student": load_tokenizer(student_path, cfg.student.trust_remote_code),
-                      "teacher": load_tokenizer(teacher_path, cfg.teacher.trust_remote_code)}
+        tokenizers = {"student": load_tokenizer(student_path, cfg.student.trust_remote_code)}
+        teacher_paths = {}
+        for name in routes_of(cfg).groups:
+            key, section = (name, cfg.teacher) if name == DEFAULT_TEACHER else (f"teachers.{name}", cfg.teachers[name])
+            teacher_paths[name] = resolve_teacher_path(cfg, self.log, name)  # a served one's: its tokenizer's
+            tokenizer = load_tokenizer(teacher_paths[name], section.trust_remote_code)
+            tokenizers.setdefault("teacher", tokenizer)  # the first teacher's (the run's trajectories decode with it)
+            self._check_teacher_tokenizer(key, section, student_path, teacher_paths[name], tokenizers["student"],
+                                          tokenizer)
+        return student_path, teacher_paths, tokenizers
+
+    def _check_teacher_tokenizer(self, key: str, section: Any, student_path: str, teacher_path: str, student_tok: Any,
+                                 teacher_tok: Any) -> None:
+        """Teacher ``key``'s tokenizer against the student's (and a served one's checks): a
+        mismatch stops the run unless ``supervision.cross_tokenizer`` aligns the two."""
+        cfg = self.cfg
+        served = section.engine == "server"  # teacher_path: its tokenizer's, the student's if its path is ""
         try:
-            check_tokenizers_match(tokenizers["student"], tokenizers["teacher"])
+            check_tokenizers_match(student_tok, teacher_tok)
             if served:
-                self._check_server(tokenizers["teacher"])
+                self._check_server(section, key, teacher_tok)
         except TokenizerMismatchError as exc:
             if not cfg.supervision.cross_tokenizer:
-                keys = (f"key 'teacher.server' ({', '.join(cfg.teacher.server.urls)}) and 'student.path' ({student_path})"
+                keys = (f"key '{key}.server' ({', '.join(section.server.urls)}) and 'student.path' ({student_path})"
                         if served and teacher_path == student_path else
-                        f"keys 'student.path' ({student_path}) and 'teacher.path' ({teacher_path})")
+                        f"keys 'student.path' ({student_path}) and '{key}.path' ({teacher_path})")
                 raise ConfigError(f"{keys}: {exc} Or set supervision.cross_tokenizer: true to align the two over "
-                                  "text spans" + (" (teacher.path then names the server's tokenizer)." if served else ".")
+                                  "text spans" + (f" ({key}.path then names the server's tokenizer)." if served else ".")
                                   ) from None
             if served and teacher_path == student_path:
-                raise ConfigError(f"key 'teacher.path' is empty, so opd renders the served teacher's view with the "
+                raise ConfigError(f"key '{key}.path' is empty, so opd renders the served teacher's view with the "
                                   f"student's tokenizer, which differs from the server's: {exc} With "
-                                  "supervision.cross_tokenizer, set teacher.path to the served model's tokenizer "
+                                  f"supervision.cross_tokenizer, set {key}.path to the served model's tokenizer "
                                   "(its hub id or a directory).") from None
-            self.log(f"cross-tokenizer scoring (the tokenizers differ: {escape('; '.join(exc.problems)[:300])})")
+            self.log(f"cross-tokenizer scoring{f' ({key})' if key != 'teacher' else ''} (the tokenizers differ: "
+                     f"{escape('; '.join(exc.problems)[:300])})")
             if served:
-                self._check_server(tokenizers["teacher"])
+                self._check_server(section, key, teacher_tok)
         else:
             if cfg.supervision.cross_tokenizer:
                 self.log("supervision.cross_tokenizer is set but the tokenizers match: scoring re-tokenises anyway")
-        return student_path, teacher_path, tokenizers
 
-    def _check_server(self, tokenizer) -> None:
+    def _check_server(self, section: Any, key: str, tokenizer) -> None:
         """A served teacher's checks (:func:`opd.generation.server.check_server`) against the
         tokenizer opd renders its view with; a failure stops the run before any role starts."""
         from opd.generation.server import ServerError, ServerSpec, check_server
 
         cfg = self.cfg
-        spec = ServerSpec.of(cfg.teacher.server)
+        spec = ServerSpec.of(section.server)
         try:
-            info = check_server(spec, tokenizer)
+            info = check_server(spec, tokenizer, key=f"{key}.server")
         except ServerError as exc:
-            raise ConfigError(f"teacher.engine: server: {exc}") from None
+            raise ConfigError(f"{key}.engine: server: {exc}") from None
         agree = (f"; {len(spec.urls)} replicas agree within {info['replica_difference']:.2g}"
                  if len(spec.urls) > 1 else "")
-        self.log(f"teacher served at {', '.join(spec.urls)} ({spec.model}, max_model_len {info['max_model_len']}): "
-                 f"it answers and tokenizes as {cfg.teacher.path or 'the student'} does{agree} "
+        self.log(f"{key} served at {', '.join(spec.urls)} ({spec.model}, max_model_len {info['max_model_len']}): "
+                 f"it answers and tokenizes as {section.path or 'the student'} does{agree} "
                  f"({info['seconds']:.1f}s)")
         if 0 < info["max_model_len"] <= cfg.rollout.max_context_tokens:
             self.log(f"[yellow]warning[/]: the teacher server's max_model_len ({info['max_model_len']}) is not above "
@@ -372,12 +390,13 @@ class TrainingRun:
         probe = env_factory()
         try:
             train_tasks = probe.unwrapped.task_ids(self.cfg.env.train_split)
+            # a mix's lists interleave its environments: the first eval_episodes hold each about equally
             eval_tasks = probe.unwrapped.task_ids(self.cfg.env.eval_split)[: self.cfg.run.eval_episodes]
         finally:
             probe.close()
         return env_factory, train_tasks, eval_tasks
 
-    def _start_workers(self, student_path: str, teacher_path: str) -> Workers:
+    def _start_workers(self, student_path: str, teacher_path: dict[str, str]) -> Workers:
         """The roles: Ray actors, or with ``run.backend: local`` objects in this process."""
         if self.cfg.run.backend == "local":
             from opd.runtime.local import spawn_local_workers
@@ -585,6 +604,9 @@ class TrainingRun:
             **({"teacher_check": state.teacher_check} if state.teacher_check else {}),
             **({"sampling_check": state.sampling_check} if state.sampling_check else {}),
             "heldout": state.heldout_figures(),
+            **({"by_environment": {env: {**figures, "teacher_name": self.ctx.routes.env_teacher.get(env, "")}
+                                   for env, figures in by_env.items()}}
+               if (by_env := state.by_environment()) else {}),
             "run_dir": str(self.run_dir),
             "time_split": RunDir(self.run_dir).time_split(),
             **({"restarts": self.restarts} if self.restarts else {}),

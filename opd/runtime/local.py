@@ -41,15 +41,16 @@ from __future__ import annotations
 import importlib
 import time
 from bdb import BdbQuit
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from opd.algorithms.base import BatchPlan, Role, Scored
 from opd.envs import EnvFactory
 from opd.generation.base import TokenScores
+from opd.mixture import TeacherRoutes
 from opd.rollout.vanilla import EpisodeSettings
 from opd.runtime.errors import RunError, WorkerError
-from opd.runtime.workers import RolloutWorker, TeacherWorker, role_specs
+from opd.runtime.workers import RolloutWorker, TeacherWorker, merge_collected, role_specs
 from opd.schema import OPDConfig, SupervisionConfig
 from opd.training.trainer import StudentTrainer
 from opd.trajectory import TokenBatch, Trajectory
@@ -63,6 +64,13 @@ class LocalWorkers:
     teacher: TeacherWorker
     rollout: RolloutWorker
     trainer: StudentTrainer
+    teachers: dict[str, TeacherWorker] = field(default_factory=dict)  # each teacher model's worker by group
+    # name (opd.mixture.TeacherRoutes); empty: `teacher` alone
+    routes: TeacherRoutes = field(default_factory=TeacherRoutes.single)
+
+    def __post_init__(self) -> None:
+        if not self.teachers:
+            self.teachers = {self.routes.groups[0]: self.teacher}
 
     def _call(self, role: str, call: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -77,9 +85,12 @@ class LocalWorkers:
 
     def collect(self, who: Role, env_factory: EnvFactory, tasks: list[str], settings: EpisodeSettings,
                 seed: int) -> tuple[list[Trajectory], dict[str, float]]:
-        role, host = self._host(who)
-        guide = self.teacher if who == "student" and settings.guide_share else None  # curriculum.guide_share
-        return self._call(role, "collect", host.collect, env_factory, tasks, settings, seed, 0, guide)
+        if who == "teacher":  # each task played by its environment's teacher
+            return merge_collected([self._call("teacher", "collect", self.teachers[group].collect, env_factory, part,
+                                               settings, seed, first)
+                                    for group, first, part in self.routes.runs(tasks, str)])
+        guide = self.teacher if settings.guide_share else None  # curriculum.guide_share (one teacher)
+        return self._call("rollout", "collect", self.rollout.collect, env_factory, tasks, settings, seed, 0, guide)
 
     def collect_later(self, who: Role, env_factory: EnvFactory, tasks: list[str], settings: EpisodeSettings,
                       seed: int) -> "_Done":
@@ -88,17 +99,25 @@ class LocalWorkers:
         return _Done(self.collect(who, env_factory, tasks, settings, seed))
 
     def score(self, trajs: list[Trajectory], supervision: SupervisionConfig) -> list[TokenScores]:
-        return self._call("teacher", "score", self.teacher.score, trajs, supervision)
+        """Each trajectory scored by its environment's teacher, in order."""
+        return [s for group, _, part in self.routes.runs(trajs)
+                for s in self._call("teacher", "score", self.teachers[group].score, part, supervision)]
 
     def score_for_training(self, trajs: list[Trajectory], supervision: SupervisionConfig) -> Scored:
-        scores, (light, size) = self._call("teacher", "score", self.teacher.score_split, trajs, supervision)
-        return Scored(light, size, scores)
+        whole, light, size = [], [], 0
+        for group, _, part in self.routes.runs(trajs):
+            scores, (part_light, part_size) = self._call("teacher", "score", self.teachers[group].score_split, part,
+                                                         supervision)
+            whole.append(scores)
+            light += part_light
+            size += part_size
+        return Scored(light, size, whole)
 
     def train(self, batch: TokenBatch) -> dict[str, float]:
         return self._call("trainer", "train_step", self.trainer.train_step, batch)
 
     def train_built(self, plan: BatchPlan) -> dict[str, float]:
-        parts = [plan.scored.whole] if plan.scored is not None else []  # one teacher: one part
+        parts = plan.scored.whole if plan.scored is not None else []  # one part per run of one teacher
         return self._call("trainer", "train_step", self.trainer.train_built, plan.build, plan.trajs, plan.args, *parts)
 
     def sync_weights(self) -> dict[str, float]:
@@ -151,8 +170,10 @@ def spawn_local_workers(cfg: OPDConfig, student_path: str, teacher_path: str) ->
     # Once for the process: every role runs in it, one after another (each constructor below sets
     # the same count again, as it does in its own actor).
     torch.set_num_threads(specs.threads)
-    teacher_worker, rollout_worker = TeacherWorker(specs.teacher), RolloutWorker(specs.rollout)
+    teachers = {name: TeacherWorker(group.spec) for name, group in specs.teachers.items()}
+    teacher_worker, rollout_worker = next(iter(teachers.values())), RolloutWorker(specs.rollout)
     trainer = StudentTrainer(specs.trainer)
     if cfg.supervision.scoring == "hidden":
         trainer.set_teacher_head(teacher_worker.output_head())
-    return LocalWorkers(teacher=teacher_worker, rollout=rollout_worker, trainer=trainer)
+    return LocalWorkers(teacher=teacher_worker, rollout=rollout_worker, trainer=trainer, teachers=teachers,
+                        routes=specs.routes)

@@ -43,6 +43,7 @@ class RoleRequest:
     role: str
     bundles: tuple[dict[str, float], ...]
     strategy: str = "pack"
+    keys: str = ""  # the recipe keys that ask for it ("": resources.<role>_cpus / <role>_gpus)
 
     def describe(self) -> str:
         """``1 bundle of {CPU: 1, GPU: 1}``, as the messages name it."""
@@ -122,8 +123,9 @@ def check_feasible(requests: list[RoleRequest], nodes: list[dict[str, float]]) -
             what = f"no node has enough {', '.join(short)}" if short else (
                 f"the nodes cannot hold them under placement '{request.strategy}'")
             raise PlacementError(
-                f"the {request.role} asks for {request.describe()} (resources.{request.role}_cpus / "
-                f"{request.role}_gpus, placement: {request.strategy}) and {what}: the cluster's nodes have {have}. "
+                f"the {request.role} asks for {request.describe()} ("
+                f"{request.keys or f'resources.{request.role}_cpus / {request.role}_gpus'}, placement: "
+                f"{request.strategy}) and {what}: the cluster's nodes have {have}. "
                 f"Lower the {request.role}'s shares, or add a node that has them.")
     free = [dict(n) for n in nodes]
     for request in requests:

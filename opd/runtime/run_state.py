@@ -70,6 +70,17 @@ class RunState:
             raise StateError(f"{where}: its driver state has no integer 'step' or no list of 'evals'")
         return cls(**data)
 
+    def by_environment(self) -> dict[str, dict[str, float | None]]:
+        """A mixed run's (``env.mix``) held-out success per environment: its teacher's, the
+        student's before training and at the last evaluation (``{}`` for one environment)."""
+        first = next((e for e in self.evals if e.get("step") == 0), {})
+        last = next((e for e in reversed(self.evals) if e.get("step", 0) > 0 and "eval/student_success" in e), {})
+        envs = [k.split("/")[1] for k in first if k.count("/") == 2 and k.startswith("eval/")
+                and k.endswith("/student_success")]
+        return {env: {"teacher": first.get(f"eval/{env}/teacher_success"),
+                      "student_before": first.get(f"eval/{env}/student_success"),
+                      "student_after": last.get(f"eval/{env}/student_success")} for env in envs}
+
     def heldout_figures(self) -> dict[str, dict[str, float]]:
         """The held-out figures besides success (mean return, turns and what the environment
         reports: score, value, questions asked, ...) of the teacher, the student before training

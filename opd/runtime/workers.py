@@ -28,6 +28,7 @@ from typing import Any, Callable
 from opd.envs import EnvFactory
 from opd.generation.base import TokenScores
 from opd.generation.server import ServerSpec
+from opd.mixture import DEFAULT_TEACHER, TeacherRoutes, routes_of
 from opd.rollout.vanilla import EpisodeSettings
 from opd.schema import ModelConfig, OPDConfig, SupervisionConfig
 from opd.training.trainer import TrainerSpec
@@ -75,13 +76,28 @@ class TeacherSpec:
 
 
 @dataclass(frozen=True)
+class TeacherGroup:
+    """One teacher model's actors: its spec, how many and each one's CPU and GPU share (a run of
+    several teachers has one group per model, :class:`opd.mixture.TeacherRoutes`)."""
+
+    spec: TeacherSpec
+    replicas: int = 1
+    cpus: float = 0.5
+    gpus: float = 0.0
+
+
+@dataclass(frozen=True)
 class RoleSpecs:
-    """What each role of a run is built from, and the torch threads every role's process uses."""
+    """What each role of a run is built from, and the torch threads every role's process uses.
+    ``teachers`` holds each teacher model's group by name (one, ``teacher``, unless ``env.mix``
+    routes to several), in the order :attr:`routes` first names them; ``teacher`` is the first's spec."""
 
     threads: int
     teacher: TeacherSpec
     rollout: EngineSpec
     trainer: TrainerSpec
+    teachers: dict[str, TeacherGroup]
+    routes: TeacherRoutes
 
 
 def recipe_loss_terms(cfg: OPDConfig) -> tuple[tuple[str, float, dict], ...]:
@@ -92,21 +108,66 @@ def recipe_loss_terms(cfg: OPDConfig) -> tuple[tuple[str, float, dict], ...]:
                  for loss in cfg.losses)
 
 
-def role_specs(cfg: OPDConfig, student_path: str, teacher_path: str) -> RoleSpecs:
-    """The specs of a recipe's teacher, rollout worker and trainer (each rank's is the same)."""
+def role_specs(cfg: OPDConfig, student_path: str, teacher_path: str | dict[str, str]) -> RoleSpecs:
+    """The specs of a recipe's teachers, rollout worker and trainer (each rank's is the same).
+    ``teacher_path`` is the teacher's model directory, or with several teachers each group's
+    (:func:`opd.mixture.routes_of`) by name."""
     threads = cfg.resources.torch_threads or os.cpu_count() or 1
     loss_terms = recipe_loss_terms(cfg)
     cross = cfg.supervision.cross_tokenizer
+    routes = routes_of(cfg)
+    paths = teacher_path if isinstance(teacher_path, dict) else {g: teacher_path for g in routes.groups}
+    sections = {DEFAULT_TEACHER: cfg.teacher, **dict(cfg.teachers)}
+    res = cfg.resources
+    teachers = {}
+    for name in routes.groups:
+        section = sections[name]
+        spec = TeacherSpec(EngineSpec.of(section, paths[name], threads), student_path if cross else None,
+                           bool(cfg.student.trust_remote_code))
+        own = name != DEFAULT_TEACHER
+        teachers[name] = TeacherGroup(spec, int(section.replicas or res.teacher_replicas) if own else res.teacher_replicas,
+                                      float(section.cpus if own and section.cpus >= 0 else res.teacher_cpus),
+                                      float(section.gpus if own and section.gpus >= 0 else res.teacher_gpus))
     return RoleSpecs(
         threads=threads,
-        teacher=TeacherSpec(EngineSpec.of(cfg.teacher, teacher_path, threads), student_path if cross else None,
-                            bool(cfg.student.trust_remote_code)),
+        teacher=next(iter(teachers.values())).spec,
+        teachers=teachers,
+        routes=routes,
         rollout=EngineSpec.of(cfg.student, student_path, threads),
         trainer=TrainerSpec(trainer=cfg.trainer, loss_terms=loss_terms, model_dir=student_path,
                             episodes_per_step=cfg.rollout.episodes_per_step, dtype=str(cfg.student.dtype),
                             trust_remote_code=bool(cfg.student.trust_remote_code), torch_threads=threads,
                             total_steps=cfg.run.total_steps, temperature=cfg.rollout.temperature,
                             lora=cfg.student.lora if cfg.student.lora.rank > 0 else None))
+
+
+def shares(items: list, parts: int) -> list[tuple[int, list]]:
+    """``items`` cut in order into at most ``parts`` runs of near-equal length (the longer ones
+    first), each with the index of its first item; empty runs left out.
+
+    Example:
+        >>> shares(list("abcde"), 2)
+        [(0, ['a', 'b', 'c']), (3, ['d', 'e'])]
+    """
+    size, extra = divmod(len(items), max(1, parts))
+    out, start = [], 0
+    for p in range(max(1, parts)):
+        n = size + (1 if p < extra else 0)
+        if n:
+            out.append((start, items[start : start + n]))
+        start += n
+    return out or [(0, [])]
+
+
+def merge_collected(parts: list[tuple[list[Trajectory], dict[str, float]]]) -> tuple[list[Trajectory], dict[str, float]]:
+    """The replicas' ``collect`` answers as one: trajectories in order, the wall time of the
+    slowest, counts added up."""
+    trajs = [t for part, _ in parts for t in part]
+    timing: dict[str, float] = {}
+    for _, part in parts:
+        for k, v in part.items():
+            timing[k] = max(timing.get(k, 0.0), v) if k.endswith("_s") else timing.get(k, 0.0) + v
+    return trajs, timing
 
 
 def set_threads(n: int) -> None:

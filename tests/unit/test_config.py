@@ -203,7 +203,7 @@ def test_every_numeric_key_of_the_schema_has_a_bound_and_every_default_is_inside
             kinds = typing.get_args(kind) if typing.get_origin(kind) is typing.Union else (kind,)
             if not any(k in (int, float) for k in kinds):
                 continue
-            bound = schema.BOUNDS.get(cls, {}).get(f.name)
+            bound = schema.bound_of(cls, f.name)
             if bound is None:
                 unbounded.append(f"{cls.__name__}.{f.name}")
             elif f.default is not None and not bound.holds(f.default):
