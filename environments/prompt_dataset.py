@@ -342,6 +342,10 @@ class PromptDatasetEnv(TextEnv):
         eval_fraction: Share of the distinct prompts held out in "eval".
         split_seed: Salt of the hash that orders the prompts for the split.
         dataset_split: For a directory holding a DatasetDict, the split to read (by default its only one).
+        where: Keep only the rows whose columns hold these values (``{"source": "math"}``, or a list of
+            values ``{"source": ["math", "gsm"]}``); the splits are cut before, so a row keeps its split.
+            A run routes a dataset's rows to teachers by a column with one ``env.mix`` entry per value
+            (docs/teachers.md).
         max_turns: 1; a prompt is answered once (``opd eval`` passes it).
         render_mode: None or "ansi"; ``render()`` returns the current text either way.
     """
@@ -357,6 +361,7 @@ class PromptDatasetEnv(TextEnv):
         eval_fraction: float = 0.2,
         split_seed: int = 0,
         dataset_split: str = "",
+        where: Mapping[str, Any] | None = None,
         max_turns: int = 1,
         render_mode: str | None = None,
     ) -> None:
@@ -394,7 +399,21 @@ class PromptDatasetEnv(TextEnv):
         data_key = (data, stat.st_mtime_ns, stat.st_size, prompt_column, answer_column, dataset_split)
         self._tasks = load_tasks(*data_key)
         self._splits = split_ids(data_key, self.eval_fraction, split_seed)
+        if where:
+            self._splits = {name: self._where(ids, where) for name, ids in self._splits.items()}
         self._current: PromptTask | None = None
+
+    def _where(self, ids: Any, where: Mapping[str, Any]) -> tuple[str, ...]:
+        """Of ``ids``, those whose row's columns hold ``where``'s values."""
+        if not isinstance(where, Mapping):
+            raise ValueError(f"where={where!r} must map column names to a value or a list of values")
+        columns = set(self._tasks[0].row) if self._tasks else set()
+        for column in where:
+            if column not in columns:
+                raise ValueError(f"where names column {column!r}, which {self.path!r} does not have; its columns: "
+                                 f"{', '.join(sorted(columns))}")
+        wanted = {c: (list(v) if isinstance(v, (list, tuple)) else [v]) for c, v in where.items()}
+        return tuple(i for i in ids if all(self.task(i).row.get(c) in values for c, values in wanted.items()))
 
     # ----- tasks -----
     def task_ids(self, split: str) -> list[str]:

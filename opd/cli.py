@@ -213,6 +213,7 @@ def _command(args: argparse.Namespace, console: Any) -> int:
     if args.command == "check":
         console.print(to_yaml(cfg))
         _check_student(cfg)
+        _check_teacher_tokenizers(cfg)
         return 0
     if args.command == "references":
         from opd.rollout.references import build_references
@@ -247,6 +248,33 @@ def _check_student(cfg: Any) -> None:
             check_model_dir(student, list(cfg.student.lora.target_modules), bool(cfg.student.trust_remote_code))
         except ValueError as exc:
             raise ConfigError(f"{exc} (the student at {student})") from None
+
+
+def _check_teacher_tokenizers(cfg: Any) -> None:
+    """``opd check``: each teacher's tokenizer against the student's, where both models are on
+    this machine already (``opd train`` checks every one once they are built or served)."""
+    from opd.bootstrap import existing_model_path
+    from opd.config import ConfigError
+    from opd.mixture import DEFAULT_TEACHER, routes_of, teacher_env
+    from opd.models import TokenizerMismatchError, check_tokenizers_match, load_tokenizer
+
+    student = existing_model_path(cfg.student, cfg.env, cfg.run.seed + 1)
+    if student is None or cfg.supervision.cross_tokenizer:
+        return
+    student_tok = None
+    for name in routes_of(cfg, share_models=False).groups:
+        key, section = (name, cfg.teacher) if name == DEFAULT_TEACHER else (f"teachers.{name}", cfg.teachers[name])
+        if section.engine == "server" and not section.path:
+            continue  # the server's tokenizer is compared with the student's at the run's start
+        teacher = existing_model_path(section, teacher_env(cfg, name), cfg.run.seed)
+        if teacher is None:
+            continue
+        student_tok = student_tok or load_tokenizer(str(student), cfg.student.trust_remote_code)
+        try:
+            check_tokenizers_match(student_tok, load_tokenizer(str(teacher), section.trust_remote_code))
+        except TokenizerMismatchError as exc:
+            raise ConfigError(f"keys 'student' ({student}) and '{key}' ({teacher}): {exc} Give them one tokenizer, or "
+                              "set supervision.cross_tokenizer: true to align the two over text spans.") from None
 
 
 def _fractions(text: str | None) -> list[float] | None:

@@ -344,11 +344,11 @@ def validate(cfg: OPDConfig, source: str = "config") -> None:
     algorithm = get_algorithm(cfg.algorithm)
     _check_numbers(cfg, OPDConfig, "", source)
     _check_output_dir(cfg.run.output_dir, source)
+    _validate_mix(cfg, algorithm, source)  # first: it says which teacher sections are in use
     _validate_resources(cfg.resources, source, _named_teacher_shares(cfg))  # before the engines: a GPU request decides engine: auto
     if cfg.actfirst.reference_source == "dataset" and not cfg.actfirst.reference_dataset:
         raise ConfigError(f"{source}: key 'actfirst.reference_dataset' is empty but 'actfirst.reference_source' is "
                           "'dataset'; give the path of your references (see docs/actfirst.md).")
-    _validate_mix(cfg, algorithm, source)  # first: it says which teacher sections are in use
     for key, model, gpus, gpus_key in _model_sections(cfg):
         if model.engine == "auto":
             model.engine = resolve_engine("auto", gpus)
