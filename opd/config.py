@@ -355,7 +355,8 @@ def validate(cfg: OPDConfig, source: str = "config") -> None:
         _validate_model(model, key, source)
         if model.tensor_parallel_size > 1 and (model.engine != "vllm" or gpus < model.tensor_parallel_size):
             raise ConfigError(f"{source}: key '{key}.tensor_parallel_size' is {model.tensor_parallel_size}: it splits "
-                              f"the model over that many GPUs with the vllm engine, and its actor has "
+                              f"the model over that many GPUs with the vllm engine, and the "
+                              f"{'rollout' if key == 'student' else 'teacher'} has "
                               f"{gpus_key}={gpus:g} with engine {model.engine!r}. Set "
                               f"{gpus_key}={model.tensor_parallel_size} and {key}.engine: vllm (or auto), "
                               f"or tensor_parallel_size: 1.")
@@ -525,6 +526,11 @@ def _validate_mix(cfg: OPDConfig, algorithm: Algorithm, source: str) -> None:
             raise ConfigError(f"{source}: key 'teachers.{name}': a teacher's name is letters, digits, _ and - (and not "
                               f"{DEFAULT_TEACHER!r}, the recipe's teacher section's name in routes).")
     mix = list(cfg.env.mix)
+    for key, section in (("student", cfg.student), ("teacher", cfg.teacher),
+                         *((f"teachers.{n}", t) for n, t in cfg.teachers.items())):
+        if section.bootstrap is not None and section.bootstrap.tokenizer == "mix" and not mix:
+            raise ConfigError(f"{source}: key '{key}.bootstrap.tokenizer' is 'mix', the BPE trained on the text of the "
+                              "whole env.mix, and the recipe has no env.mix: use \"\" (its environment's text).")
     if not mix:
         if names:
             raise ConfigError(f"{source}: key 'teachers' names {', '.join(names)} but no environment is routed to "
@@ -638,9 +644,10 @@ def _validate_model(model: Any, role: str, source: str) -> None:
         if model.path:
             raise ConfigError(f"{source}: set either '{role}.path' or '{role}.bootstrap', not both.")
         tokenizer = model.bootstrap.tokenizer
-        if tokenizer not in ("", "smollm2") and not (Path(os.path.expanduser(tokenizer)) / "tokenizer.json").is_file():
+        if tokenizer not in ("", "smollm2", "mix") and not (Path(os.path.expanduser(tokenizer)) / "tokenizer.json").is_file():
             raise ConfigError(f"{source}: key '{role}.bootstrap.tokenizer' is {tokenizer!r}; expected \"\" (train one on the "
-                              "environment's text), \"smollm2\" or a directory holding tokenizer.json.")
+                              "environment's text), \"mix\" (on the text of the whole env.mix), \"smollm2\" or a "
+                              "directory holding tokenizer.json.")
         init = model.bootstrap.init
         if init:
             if not tokenizer:

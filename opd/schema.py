@@ -57,7 +57,8 @@ class BootstrapConfig:
     learning_rate: float = 2e-3  # AdamW learning rate (cosine decay)
     tokenizer_vocab_size: int = 320  # byte-level BPE trained on the environment's text
     corpus_episodes: int = 300  # random episodes whose text trains that BPE
-    tokenizer: str = ""  # "": that trained BPE; "smollm2": SmolLM2's own (offline); or a tokenizer directory
+    tokenizer: str = ""  # "": that trained BPE; "mix": the BPE trained on the text of the whole env.mix (one for
+    # the student and every teacher of a mixed run); "smollm2": SmolLM2's own (offline); or a tokenizer directory
     init: str = ""  # "": a tiny Qwen3 shaped by arch, from scratch; "smollm2": fine-tune SmolLM2-135M-Instruct
     # (needs tokenizer: smollm2); or a model directory whose tokenizer is ``tokenizer``
     init_layers: int = 0  # with init: keep the first N transformer blocks (0: all), a smaller model that starts pretrained

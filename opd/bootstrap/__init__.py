@@ -68,7 +68,8 @@ from opd.bootstrap.shipped import shipped_model
 from opd.models import smollm2_dir, smollm2_model_dir
 from opd.schema import EnvConfig, ModelConfig
 
-__all__ = ["build_bootstrap_model", "existing_model_path", "resolve_model_path", "resolve_teacher_path"]
+__all__ = ["build_bootstrap_model", "existing_model_path", "resolve_model_path", "resolve_student_path",
+           "resolve_teacher_path", "with_mix_tokenizer"]
 
 
 def resolve_model_path(model_cfg: ModelConfig, env_cfg: EnvConfig, seed: int, log: Callable[[str], None]) -> str:
@@ -95,8 +96,31 @@ def resolve_teacher_path(cfg, log: Callable[[str], None], name: str = "teacher")
 
     section = cfg.teacher if name == DEFAULT_TEACHER else cfg.teachers[name]
     if section.engine == "server" and not section.path:
-        return resolve_model_path(cfg.student, cfg.env, cfg.run.seed + 1, log)
-    return resolve_model_path(section, teacher_env(cfg, name), cfg.run.seed, log)
+        return resolve_student_path(cfg, log)
+    return resolve_model_path(with_mix_tokenizer(section, cfg.env, log), teacher_env(cfg, name), cfg.run.seed, log)
+
+
+def resolve_student_path(cfg, log: Callable[[str], None]) -> str:
+    """The student's model directory (:func:`resolve_model_path` on the recipe's environment,
+    seeded ``run.seed + 1``)."""
+    return resolve_model_path(with_mix_tokenizer(cfg.student, cfg.env, log), cfg.env, cfg.run.seed + 1, log)
+
+
+def with_mix_tokenizer(model_cfg: ModelConfig, env_cfg: EnvConfig, log: Callable[[str], None]) -> ModelConfig:
+    """``model_cfg`` with ``bootstrap.tokenizer: mix`` made the directory of the BPE trained on the
+    text of the whole ``env_cfg.mix`` (built once and cached, :func:`~opd.bootstrap.tokenizer.build_tokenizer`):
+    one tokenizer for the student and every teacher of a mixed run, each teacher built on its own
+    environment. Any other model section comes back as it is."""
+    boot = model_cfg.bootstrap
+    if boot is None or boot.tokenizer != "mix":
+        return model_cfg
+    from omegaconf import OmegaConf
+
+    from opd.bootstrap.tokenizer import tokenizer_dir
+
+    directory = tokenizer_dir(env_cfg, boot.tokenizer_vocab_size, Path(os.path.expanduser(boot.cache_dir)),
+                              boot.corpus_episodes, log)
+    return OmegaConf.merge(model_cfg, {"bootstrap": {"tokenizer": str(directory)}})
 
 
 def existing_model_path(model_cfg: ModelConfig, env_cfg: EnvConfig, seed: int) -> Path | None:

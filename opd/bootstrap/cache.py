@@ -61,6 +61,13 @@ def data_kwargs(env_cfg: EnvConfig) -> dict:
         >>> data_kwargs(cfg)
         {'setting': 'refill'}
     """
+    if list(getattr(env_cfg, "mix", None) or []):  # a mixed run's: each member's, by name
+        from opd.envs import env_class
+        from opd.mixture import member_specs
+
+        return {"mix": [{**m, "kwargs": {k: v for k, v in m["kwargs"].items()
+                                         if k not in getattr(env_class(m["id"], m["module"]), "reward_kwargs", ())}}
+                        for m in member_specs(env_cfg.mix)]}
     kwargs = dict(plain(env_cfg.kwargs))
     reward_only = getattr(EnvFactory.of(env_cfg).env_class(), "reward_kwargs", frozenset())
     return {k: v for k, v in kwargs.items() if k not in reward_only}

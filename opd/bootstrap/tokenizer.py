@@ -28,11 +28,19 @@ def build_tokenizer(env_cfg: EnvConfig, vocab_size: int, cache_root: Path, corpu
                     log: Callable[[str], None] | None = None):
     """The shared tokenizer for an environment, trained once on its text and cached; ``log``
     (if given) hears how far the corpus's episodes are."""
+    return load_tokenizer(str(tokenizer_dir(env_cfg, vocab_size, cache_root, corpus_episodes, log)))
+
+
+def tokenizer_dir(env_cfg: EnvConfig, vocab_size: int, cache_root: Path, corpus_episodes: int = TOKENIZER_CORPUS_EPISODES,
+                  log: Callable[[str], None] | None = None) -> Path:
+    """The directory of :func:`build_tokenizer`'s tokenizer, trained there first if it is not yet.
+    For a mixed run's environment (``env.mix``) the corpus's episodes come from every member in
+    turn (its task lists interleave them)."""
     factory = EnvFactory.of(env_cfg)
     words = tuple(getattr(factory.env_class(), "tokenizer_words", ()))
     directory = cache_root / f"tokenizer-{tokenizer_key(env_cfg, vocab_size, corpus_episodes, words)}"
     if (directory / "tokenizer.json").is_file():
-        return load_tokenizer(str(directory))
+        return directory
     env = factory()
     tasks = env.unwrapped.task_ids(env_cfg.train_split)
     rng = random.Random(0)
@@ -47,7 +55,7 @@ def build_tokenizer(env_cfg: EnvConfig, vocab_size: int, cache_root: Path, corpu
         tokenizer = train_chat_tokenizer(corpus, vocab_size=vocab_size)
         save_directory_atomically(directory, tokenizer.save_pretrained)
         progress.finish(f"BPE of {vocab_size} tokens trained (cached in {directory})")
-    return load_tokenizer(str(directory))
+    return directory
 
 
 def resolve_tokenizer(boot: BootstrapConfig, env_cfg: EnvConfig, cache_root: Path,

@@ -178,6 +178,22 @@ def _curve_panels(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                         _curve("return/group_std", _series(train, "return/group_std"), dashed=True)])))
     panels.insert(2, _panel("KL by turn index", "nats per token of the turns at each index, early and late in training",
                             _kl_by_turn(train)))
+    envs = [k.split("/")[1] for k in keys if k.startswith("success/")]  # a mixed run's (env.mix)
+    if envs:
+        def level(key: str) -> list[tuple[float, float]]:  # the teacher's step-0 figure, across the run
+            points = _series(records, key)
+            return [(min(steps), points[0][1]), (max(steps), points[0][1])] if len(points) == 1 else points
+
+        panels.insert(1, _panel("Success per environment", "held-out (greedy; the teacher dashed) and training, each "
+                                "environment of env.mix", _lines(
+                                    [_curve(f"{env}, held-out", _series(records, f"eval/{env}/student_success"))
+                                     for env in envs]
+                                    + [_curve(f"{env}, its teacher", level(f"eval/{env}/teacher_success"), dashed=True)
+                                       for env in envs]
+                                    + [_curve(f"{env}, training", _series(train, f"success/{env}")) for env in envs],
+                                    y_range=(0.0, 1.0))))
+        panels.insert(3, _panel("KL per teacher", "nats per trained token, the episodes each teacher grades",
+                                _lines([_curve(k, _series(train, k)) for k in keys if k.startswith("kl/")])))
     for prefix, title in (("pivot/", "PivotOPD"), ("actfirst/", "ActFirst")):
         panels.append(_panel(title, f"{prefix}* scalars",
                              _lines([_curve(k, _series(train, k)) for k in keys if k.startswith(prefix)])))

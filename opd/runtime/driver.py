@@ -47,7 +47,7 @@ from rich.markup import escape
 
 from opd.algorithms import get_algorithm
 from opd.algorithms.base import RunContext, StepRollouts, Workers
-from opd.bootstrap import resolve_model_path, resolve_teacher_path
+from opd.bootstrap import resolve_student_path, resolve_teacher_path
 from opd.chat import ChatFormat
 from opd.config import ConfigError, flatten, to_yaml
 from opd.curriculum import Curriculum
@@ -293,7 +293,7 @@ class TrainingRun:
         :func:`opd.mixture.routes_of`; built first where the recipe says), and the tokenizers,
         which must match unless ``supervision.cross_tokenizer`` aligns them."""
         cfg = self.cfg
-        student_path = resolve_model_path(cfg.student, cfg.env, cfg.run.seed + 1, self.log)
+        student_path = resolve_student_path(cfg, self.log)
         if cfg.student.lora.rank > 0:
             from opd.training.lora import check_model_dir
 

@@ -49,15 +49,16 @@ class PolicySource:
 def resolve_source(source: str, recipe: str | None, overrides: list[str], log: Any) -> PolicySource:
     """The policy ``source`` names (see the module docstring); :class:`ConfigError` when it
     names nothing that exists, naming what was looked for."""
-    from opd.bootstrap import resolve_model_path, resolve_teacher_path
+    from opd.bootstrap import resolve_student_path, resolve_teacher_path
+    from opd.mixture import teacher_sections
 
     spec, _, selector = source.rpartition("@") if "@" in source else (source, "", "")
     path = Path(spec)
     if path.is_dir() and (path / "config.yaml").is_file():
         cfg = load_config(recipe or path / "config.yaml", overrides)
-        if selector == "teacher":
-            model = resolve_teacher_path(cfg, log)
-            return PolicySource(cfg, cfg.teacher, model, f"{spec} teacher", "teacher", path / "eval")
+        if selector in (teachers := teacher_sections(cfg)):  # `teacher`, or a key of `teachers`
+            model = resolve_teacher_path(cfg, log, selector)
+            return PolicySource(cfg, teachers[selector], model, f"{spec} {selector}", selector, path / "eval")
         checkpoints = {int(p.name.removeprefix("step_")): p for p in complete_checkpoints(path)}
         if selector in ("", "last"):
             if not checkpoints:
@@ -67,9 +68,10 @@ def resolve_source(source: str, recipe: str | None, overrides: list[str], log: A
         elif selector.isdigit():
             step = int(selector)
         else:
-            raise ConfigError(f"{source}: after '@' a run directory takes a step number, 'last' or 'teacher' (got {selector!r})")
+            raise ConfigError(f"{source}: after '@' a run directory takes a step number, 'last' or a teacher's name: "
+                              f"{', '.join(teachers)} (got {selector!r})")
         if step == 0:
-            model = resolve_model_path(cfg.student, cfg.env, cfg.run.seed + 1, log)
+            model = resolve_student_path(cfg, log)
             return PolicySource(cfg, cfg.student, model, f"{spec} step 0", "step_0", path / "eval")
         if step not in checkpoints:
             raise ConfigError(f"{spec} has no complete checkpoint of step {step} (it has steps "
@@ -89,11 +91,14 @@ def resolve_source(source: str, recipe: str | None, overrides: list[str], log: A
     if path.suffix in (".yaml", ".yml") and path.is_file():
         cfg = load_config(path, overrides)
         who = selector or "student"
-        if who not in ("student", "teacher"):
-            raise ConfigError(f"{source}: after '@' a recipe takes 'student' or 'teacher' (got {who!r})")
-        model_cfg = getattr(cfg, who)
-        model = (resolve_teacher_path(cfg, log) if who == "teacher" else
-                 resolve_model_path(model_cfg, cfg.env, cfg.run.seed + 1, log))
+        teachers = teacher_sections(cfg)  # the teachers routes use: `teacher` and the keys of `teachers`
+        if who != "student" and who not in teachers:
+            raise ConfigError(f"{source}: after '@' a recipe takes 'student' or one of its teachers: "
+                              f"{', '.join(teachers)} (got {who!r})")
+        if who == "student":
+            model_cfg, model = cfg.student, resolve_student_path(cfg, log)
+        else:
+            model_cfg, model = teachers[who], resolve_teacher_path(cfg, log, who)
         return PolicySource(cfg, model_cfg, model, f"{who} of {spec}", who, Path(cfg.run.output_dir) / "eval")
     raise ConfigError(f"{source!r} is not a run directory (config.yaml and checkpoints/), a model directory "
                       "(config.json) or a recipe (.yaml) that exists")

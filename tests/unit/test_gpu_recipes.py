@@ -75,7 +75,7 @@ def test_a_gpu_recipe_binds_fits_its_cluster_and_names_real_models(recipe, monke
     if cfg.teacher.engine == "server":  # served elsewhere: the run holds an HTTP client, no GPU
         from opd.config import _validate_server
 
-        _validate_server(cfg, str(recipe))
+        _validate_server(cfg, cfg.teacher, "teacher", res.teacher_gpus, "resources.teacher_gpus", str(recipe))
         assert cfg.teacher.server.model == cfg.teacher.path and "vllm serve " + cfg.teacher.path in recipe.read_text()
     else:
         assert cfg.teacher.tensor_parallel_size <= res.teacher_gpus

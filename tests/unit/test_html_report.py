@@ -363,3 +363,28 @@ def test_the_kl_by_turn_index_panel_sets_the_first_quarter_of_steps_against_the_
     assert flat("steps 7-8") == pytest.approx([1.0, 0.75, 2.0, 1.5, 10.0, 1.0])
     assert [s["dashed"] for s in panel["series"]] == [True, False]
     assert "KL by turn index" not in charts(write_html_report(make_run_dir(tmp_path / "plain")).read_text())
+
+
+def test_a_mixed_run_shows_success_per_environment_and_kl_per_teacher(tmp_path):
+    """A run with ``env.mix`` (``success/<env>``, ``eval/<env>/*_success``, ``kl/<teacher>``): each
+    environment's held-out and training success with its teacher's step-0 level across the run,
+    and each teacher's KL; a run of one environment shows neither panel."""
+    run = make_run_dir(tmp_path, train_steps=(1, 2, 3))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        if r["step"] == 0 and "eval/student_success" in r:
+            r.update({"eval/lake/student_success": 0.25, "eval/lake/teacher_success": 0.9,
+                      "eval/simon/student_success": 0.0, "eval/simon/teacher_success": 1.0})
+        if "loss" in r:
+            r.update({"success/lake": 0.1 * r["step"], "success/simon": 0.0, "kl/one": 0.5 / r["step"], "kl/two": 0.2})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    found = charts(write_html_report(run).read_text())
+    panel = found["Success per environment"]
+    assert labels(panel) == ["lake, held-out", "simon, held-out", "lake, its teacher", "simon, its teacher",
+                             "lake, training", "simon, training"]
+    assert [p[1] for p in points(panel, "lake, its teacher")] == [0.9, 0.9]  # the level, first to last step
+    assert points(panel, "lake, training") == [[1.0, 0.1], [2.0, 0.2], [3.0, pytest.approx(0.3)]]
+    assert labels(found["KL per teacher"]) == ["kl/one", "kl/two"]
+    assert points(found["KL per teacher"], "kl/one")[-1] == [3.0, pytest.approx(0.5 / 3)]
+    plain = charts(write_html_report(make_run_dir(tmp_path / "plain")).read_text())
+    assert "Success per environment" not in plain and "KL per teacher" not in plain

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # module prefixes: "opd.generation" covers opd.generation and everything under it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data", ("opd", "opd.schema", "opd.trajectory", "opd.chat", "opd.optional", "opd.progress")),
-    ("engines and environments", ("opd.models", "opd.envs", "opd.generation", "environments")),
+    ("engines and environments", ("opd.models", "opd.envs", "opd.mixture", "opd.generation", "environments")),
     ("rollout, supervision and losses", ("opd.rollout", "opd.supervision", "opd.losses", "opd.curriculum")),
     ("training", ("opd.training",)),
     ("algorithms, evaluation and bootstrap", ("opd.algorithms", "opd.evaluation", "opd.bootstrap")),
