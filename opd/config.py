@@ -581,7 +581,8 @@ def _validate_mix(cfg: OPDConfig, algorithm: Algorithm, source: str) -> None:
                               f"turns come from one teacher, and env.mix routes to {several}: set it to 0.")
     for i, entry in enumerate(mix):
         member = SimpleNamespace(id=entry.id, kwargs=entry.kwargs, module=entry.module,
-                                 train_split=cfg.env.train_split, eval_split=cfg.env.eval_split)
+                                 train_split=entry.train_split or cfg.env.train_split,
+                                 eval_split=entry.eval_split or cfg.env.eval_split)
         _validate_env(member, source, f"env.mix.{i}")
 
 

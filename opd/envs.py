@@ -217,7 +217,7 @@ class EnvFactory:
         from opd.mixture import MIX_ID, member_specs
 
         if list(env_cfg.mix):
-            members = [{**m, "kwargs": {**m["kwargs"], **kwargs}} for m in member_specs(env_cfg.mix)]
+            members = [{**m, "kwargs": {**m["kwargs"], **kwargs}} for m in member_specs(env_cfg)]
             return cls(MIX_ID, {"envs": members})
 
         section = env_cfg.kwargs

@@ -58,15 +58,20 @@ def interleave(lists: Sequence[Sequence[str]]) -> list[str]:
     return out
 
 
-def member_specs(mix: Iterable[Any]) -> list[dict[str, Any]]:
-    """``env.mix`` as the plain data :class:`MixedEnv` is made from (name, id, kwargs, module)."""
+def member_specs(env_cfg: Any) -> list[dict[str, Any]]:
+    """A recipe's ``env.mix`` as the plain data :class:`MixedEnv` is made from: each entry's
+    name, id, kwargs, module and ``splits`` (the recipe's split names mapped to the entry's own,
+    where its ``train_split`` / ``eval_split`` name another)."""
     from omegaconf import OmegaConf
 
     out = []
-    for entry in mix:
+    for entry in env_cfg.mix:
         kwargs = entry.kwargs
         plain = OmegaConf.to_container(kwargs, resolve=True) if OmegaConf.is_config(kwargs) else dict(kwargs)
-        out.append({"name": str(entry.name), "id": str(entry.id), "kwargs": plain, "module": str(entry.module or "")})
+        splits = {str(getattr(env_cfg, key)): str(getattr(entry, key)) for key in ("train_split", "eval_split")
+                  if getattr(entry, key, "")}
+        out.append({"name": str(entry.name), "id": str(entry.id), "kwargs": plain, "module": str(entry.module or ""),
+                    **({"splits": splits} if splits else {})})
     return out
 
 
@@ -76,7 +81,7 @@ class MixedEnv(gymnasium.Env):
     (an environment process of a pool may never play some of them).
 
     Args:
-        envs: ``[{"name", "id", "kwargs", "module"}]``, one per member (:func:`member_specs`).
+        envs: ``[{"name", "id", "kwargs", "module", "splits"}]``, one per member (:func:`member_specs`).
     """
 
     metadata = {"render_modes": []}
@@ -106,13 +111,14 @@ class MixedEnv(gymnasium.Env):
         return self._made[name]
 
     def task_ids(self, split: str) -> list[str]:
-        """Every member's tasks of ``split``, named ``NAME::TASK``, interleaved."""
-        return interleave([[f"{name}{SEP}{t}" for t in self.member(name).unwrapped.task_ids(split)]
-                           for name in self.members])
+        """Every member's tasks of ``split`` (each member's own split of that name, its
+        ``splits`` say), named ``NAME::TASK``, interleaved."""
+        return interleave([self.member_task_ids(name, split) for name in self.members])
 
     def member_task_ids(self, name: str, split: str) -> list[str]:
         """Member ``name``'s tasks of ``split``, named ``NAME::TASK``."""
-        return [f"{name}{SEP}{t}" for t in self.member(name).unwrapped.task_ids(split)]
+        own = self.members[name].get("splits", {}).get(split, split)
+        return [f"{name}{SEP}{t}" for t in self.member(name).unwrapped.task_ids(own)]
 
     @property
     def max_turns(self) -> int | None:
@@ -282,7 +288,7 @@ def same_model(cfg: Any, a: str, b: str) -> bool:
 
 def teacher_env(cfg: Any, name: str) -> Any:
     """The environment section teacher ``name`` is built on when its ``bootstrap`` builds it: the
-    recipe's ``env``, or in a mix the first entry routed to it (the splits and limits the
+    recipe's ``env``, or in a mix the first entry routed to it (its own splits, the limits the
     recipe's ``env`` gives)."""
     from omegaconf import OmegaConf
 
@@ -293,7 +299,9 @@ def teacher_env(cfg: Any, name: str) -> Any:
         return cfg.env
     plain = OmegaConf.to_container(OmegaConf.structured(cfg.env), resolve=True)
     plain.update(id=str(entry.id), kwargs=OmegaConf.to_container(entry.kwargs, resolve=True)
-                 if OmegaConf.is_config(entry.kwargs) else dict(entry.kwargs), module=str(entry.module or ""), mix=[])
+                 if OmegaConf.is_config(entry.kwargs) else dict(entry.kwargs), module=str(entry.module or ""), mix=[],
+                 train_split=str(entry.train_split or cfg.env.train_split),
+                 eval_split=str(entry.eval_split or cfg.env.eval_split))
     return OmegaConf.merge(OmegaConf.structured(EnvConfig), plain)
 
 

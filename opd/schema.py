@@ -136,6 +136,8 @@ class MixEnvConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)  # its constructor keyword arguments
     module: str = ""  # a module to import first, registering an env that lives in your own package
     share: float = 1.0  # its weight in every step's episodes (the shares are normalised over the mix)
+    train_split: str = ""  # its split that env.train_split means here ("": the same name)
+    eval_split: str = ""  # its split that env.eval_split means here ("": the same name)
     teacher: str = "teacher"  # who grades its episodes: a key of `teachers`, or teacher (the recipe's teacher section)
 
 

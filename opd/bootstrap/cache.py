@@ -67,7 +67,7 @@ def data_kwargs(env_cfg: EnvConfig) -> dict:
 
         return {"mix": [{**m, "kwargs": {k: v for k, v in m["kwargs"].items()
                                          if k not in getattr(env_class(m["id"], m["module"]), "reward_kwargs", ())}}
-                        for m in member_specs(env_cfg.mix)]}
+                        for m in member_specs(env_cfg)]}
     kwargs = dict(plain(env_cfg.kwargs))
     reward_only = getattr(EnvFactory.of(env_cfg).env_class(), "reward_kwargs", frozenset())
     return {k: v for k, v in kwargs.items() if k not in reward_only}

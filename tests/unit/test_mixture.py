@@ -223,3 +223,17 @@ def test_named_teachers_are_checked_as_the_teacher_is(tmp_path):
     assert "+ teachers.*.cpus ask for" in _error(tmp_path, recipe)
     recipe["teachers"]["one"]["cpus"] = -3
     assert "key 'teachers.one.cpus' is -3" in _error(tmp_path, recipe)
+
+
+def test_an_entry_may_name_its_own_splits(tmp_path):
+    """``env.mix.N.train_split``: what the recipe's train split means for that environment (e.g.
+    TextWorldExpress's train_seen); here FrozenLake's eval maps stand in for one entry's training."""
+    recipe = _loadable(tmp_path, teachers=False)
+    recipe["env"]["mix"][1]["train_split"] = "eval"
+    cfg = load_config(_write(tmp_path, recipe))
+    mixed = EnvFactory.of(cfg.env)().unwrapped
+    rough = make_env("opd/FrozenLakeText-v0", frozen_prob=0.7).unwrapped
+    assert mixed.member_task_ids("rough", "train") == [f"rough::{t}" for t in rough.task_ids("eval")]
+    assert mixed.member_task_ids("lake", "train")[0].endswith(make_env("opd/FrozenLakeText-v0").unwrapped.task_ids("train")[0])
+    recipe["env"]["mix"][1]["train_split"] = "nope"
+    assert "key 'env.mix.1 (env.train_split)'" in _error(tmp_path, recipe)
