@@ -4,8 +4,9 @@ two FrozenLake families, with DeepSpeed on both backends.
 
 - Each episode is scored by its own environment's teacher, exactly as that teacher alone scores
   it (and not as the other one would).
-- The local and the Ray backend (the first teacher on two replicas) train the same steps, and a
-  Ray run resumes; the figures come apart per environment and per teacher.
+- The local and the Ray backend (the first teacher on two replicas) train the same steps, the Ray
+  run through the restart that follows a teacher actor's death, and it resumes; the figures come
+  apart per environment and per teacher.
 - Two names of one model load it once; a teacher whose tokenizer differs is refused by
   ``opd check`` and ``opd train``, naming its key.
 """
@@ -13,6 +14,7 @@ two FrozenLake families, with DeepSpeed on both backends.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,18 +101,22 @@ def test_each_episode_is_scored_by_its_environments_teacher(models, tmp_path):
     assert list(spawn_local_workers(same, models["student"], {"one": models["one"]}).teachers) == ["one"]
 
 
-def test_local_and_ray_train_the_same_mixed_steps_and_ray_resumes(models, tmp_path):
+def test_local_and_ray_train_the_same_mixed_steps_through_a_restart_and_a_resume(models, tmp_path):
+    """The local run against a Ray run whose teachers (the first on two replicas) lose an actor
+    to SIGKILL once the first checkpoint is complete: the Ray run restarts every group and ends
+    with the local run's steps; then it resumes for one more."""
     from opd.cli import main
 
     local_dir, ray_dir = tmp_path / "local", tmp_path / "ray"
-    recipe = _recipe(models, local_dir)
-    (tmp_path / "local.yaml").write_text(yaml.safe_dump(recipe))
-    assert main(["train", str(tmp_path / "local.yaml"), "run.backend=local"]) == 0
-    recipe = _recipe(models, ray_dir, one={"replicas": 2})
-    (tmp_path / "ray.yaml").write_text(yaml.safe_dump(recipe))
-    assert main(["train", str(tmp_path / "ray.yaml")]) == 0
+    (tmp_path / "local.yaml").write_text(yaml.safe_dump(_recipe(models, local_dir)))
+    assert main(["train", str(tmp_path / "local.yaml"), "run.backend=local", "run.total_steps=3"]) == 0
+    (tmp_path / "ray.yaml").write_text(yaml.safe_dump(_recipe(models, ray_dir, one={"replicas": 2})))
+    killed = _run_killing_a_teacher([sys.executable, "-m", "opd.cli", "train", str(tmp_path / "ray.yaml"),
+                                     "run.total_steps=3"], ray_dir)
+    assert killed, "no TeacherWorker process was found to kill"
 
     local, ray = _records(local_dir), _records(ray_dir)
+    assert [r["step"] for r in ray] == [r["step"] for r in local]
     for a, b in zip(local, ray):
         keys = {k for k in a if not k.startswith(("time/", "memory/")) and not k.endswith(("_time_s", "_per_s"))}
         assert keys == {k for k in b if not k.startswith(("time/", "memory/")) and not k.endswith(("_time_s", "_per_s"))}
@@ -125,14 +131,48 @@ def test_local_and_ray_train_the_same_mixed_steps_and_ray_resumes(models, tmp_pa
         (step0["eval/lake/teacher_success"] + step0["eval/rough/teacher_success"]) / 2)  # 2 + 2 held-out tasks
     assert set(k for k in step1 if k.startswith("kl/")) == {"kl/one", "kl/two"}
     summary = json.loads((ray_dir / "summary.json").read_text())
-    assert summary["by_environment"]["rough"]["teacher_name"] == "two"
+    assert summary["restarts"] == 1 and summary["by_environment"]["rough"]["teacher_name"] == "two"
     assert {role: len(nodes) for role, nodes in summary["placement"].items()} == \
         {"teacher-one": 2, "teacher-two": 1, "rollout": 1, "trainer": 1}
 
-    assert main(["train", str(tmp_path / "ray.yaml"), "run.total_steps=3", "--resume"]) == 0
-    resumed = _records(ray_dir)
-    trained = [r for r in resumed if "loss" in r]
-    assert [r["step"] for r in trained] == [1, 2, 3] and "kl/two" in trained[-1]
+    assert main(["train", str(tmp_path / "ray.yaml"), "run.total_steps=4", "--resume"]) == 0
+    trained = [r for r in _records(ray_dir) if "loss" in r]
+    assert [r["step"] for r in trained] == [1, 2, 3, 4] and "kl/two" in trained[-1]
+
+
+def _run_killing_a_teacher(cmd: list[str], run_dir: Path) -> int:
+    """Run ``cmd``; SIGKILL a ``ray::TeacherWorker`` process once checkpoint step_1 is complete.
+    Returns the pid killed (0: none)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    log = open(run_dir.parent / f"{run_dir.name}.log", "w")
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2], stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+    killed = 0
+    try:
+        deadline = time.monotonic() + 600
+        while not killed and time.monotonic() < deadline and proc.poll() is None:
+            if (run_dir / "checkpoints" / "step_1" / "COMPLETE").exists():
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    try:
+                        if "ray::TeacherWorker" in " ".join(child.cmdline()):
+                            os.kill(child.pid, signal.SIGKILL)
+                            killed = child.pid
+                            break
+                    except psutil.Error:
+                        continue
+            time.sleep(0.1)
+        assert proc.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, (run_dir.parent / f"{run_dir.name}.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    return killed
 
 
 def test_a_teacher_whose_tokenizer_differs_is_refused_by_name(models, tmp_path, capsys):
