@@ -53,14 +53,12 @@ def build_models(recipe: Path, overrides: list[str]) -> dict[str, str]:
     return paths
 
 
-def mixed_counts(raw: dict, overrides: list[str], recipe: Path) -> tuple[dict[str, int], dict[str, int]]:
+def mixed_counts(cfg) -> tuple[dict[str, int], dict[str, int]]:
     """Per environment of the mix: its episodes in a step, and its held-out tasks among the
     mixed run's ``run.eval_episodes``."""
-    from opd.config import load_config
     from opd.envs import EnvFactory
     from opd.mixture import env_of, share_counts
 
-    cfg = load_config(recipe, overrides)
     names = [str(e.name) for e in cfg.env.mix]
     per_step = dict(zip(names, share_counts([float(e.share) for e in cfg.env.mix], cfg.rollout.episodes_per_step)))
     env = EnvFactory.of(cfg.env)()
@@ -72,22 +70,27 @@ def mixed_counts(raw: dict, overrides: list[str], recipe: Path) -> tuple[dict[st
 
 
 def recipes(recipe: Path, overrides: list[str], models: dict[str, str], out: Path) -> dict[str, Path]:
-    """The mixed recipe and one baseline per environment, written under ``out/recipes`` with the
-    built models as paths."""
-    raw = yaml.safe_load(recipe.read_text())
-    per_step, held_out = mixed_counts(raw, overrides, recipe)
-    raw["student"] = {"path": models["student"]}
-    raw["teachers"] = {name: {**{k: v for k, v in section.items() if k != "bootstrap"}, "path": models[name]}
-                       for name, section in raw["teachers"].items()}
+    """The mixed recipe (resolved, with ``overrides``) and one baseline per environment, written
+    under ``out/recipes`` with the built models as paths."""
+    from omegaconf import OmegaConf
+
+    from opd.config import load_config
+
+    cfg = load_config(recipe, overrides)
+    per_step, held_out = mixed_counts(cfg)
+    full = OmegaConf.to_container(cfg, resolve=True)
+    full["student"].update(path=models["student"], bootstrap=None)
+    for name, section in full["teachers"].items():
+        section.update(path=models[name], bootstrap=None)
     (out / "recipes").mkdir(parents=True, exist_ok=True)
     written = {"mixed": out / "recipes" / "mixed.yaml"}
-    written["mixed"].write_text(yaml.safe_dump(raw, sort_keys=False))
-    for entry in raw["env"]["mix"]:
+    written["mixed"].write_text(yaml.safe_dump(full, sort_keys=False))
+    for entry in full["env"]["mix"]:
         name = entry["name"]
-        single = json.loads(json.dumps(raw))
-        single["name"] = f"{raw.get('name', 'shared')}-{name}"
+        single = json.loads(json.dumps(full))
+        single["name"] = f"{full['name']}-{name}"
         single["env"]["mix"] = [entry]
-        single["teachers"] = {entry["teacher"]: raw["teachers"][entry["teacher"]]}
+        single["teachers"] = {entry["teacher"]: full["teachers"][entry["teacher"]]}
         single["rollout"]["episodes_per_step"] = per_step[name]
         single["trainer"]["micro_batch_size"] = per_step[name]
         single["run"]["eval_episodes"] = held_out[name]
@@ -96,7 +99,7 @@ def recipes(recipe: Path, overrides: list[str], models: dict[str, str], out: Pat
     return written
 
 
-def run(label: str, recipe: Path, seed: int, out: Path, overrides: list[str]) -> dict:
+def run(label: str, recipe: Path, seed: int, out: Path) -> dict:
     """``opd train`` of ``recipe`` at ``seed`` in ``out/<label>/seed_<seed>`` (a finished run is
     reused); its summary and the wall time it took."""
     run_dir = out / label / f"seed_{seed}"
@@ -105,7 +108,7 @@ def run(label: str, recipe: Path, seed: int, out: Path, overrides: list[str]) ->
     if not summary_file.is_file():
         print(f"[{time.strftime('%H:%M:%S')}] {label}, seed {seed}", flush=True)
         start = time.perf_counter()
-        cmd = [*OPD, "train", str(recipe), f"run.seed={seed}", f"run.output_dir={run_dir}", *overrides]
+        cmd = [*OPD, "train", str(recipe), f"run.seed={seed}", f"run.output_dir={run_dir}"]
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         log = run_dir.with_name(f"seed_{seed}.log")
         with log.open("w") as f:
@@ -190,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, help="run.total_steps of every run (a pilot)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "shared_student")
-    parser.add_argument("overrides", nargs="*", help="key=value for the mixed recipe (and so every baseline)")
+    parser.add_argument("overrides", nargs="*", help="key=value for the mixed recipe (and so every baseline; the "
+                        "models' keys shape the models built)")
     args = parser.parse_args(argv)
     overrides = [*args.overrides, *([f"run.total_steps={args.steps}"] if args.steps else [])]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -202,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for seed in args.seeds:
         for label in ["mixed", *envs]:
-            records.append(run(label, written[label], seed, args.out, overrides))
+            records.append(run(label, written[label], seed, args.out))
     rows, md = table(records, envs, args.seeds)
     runs_s = sum(r["wall_s"] or 0.0 for r in records)
     by_label = {label: sum(r["wall_s"] or 0.0 for r in records if r["label"] == label) for label in ["mixed", *envs]}
