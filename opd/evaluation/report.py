@@ -96,6 +96,8 @@ def render_summary(console: Any, summary: dict[str, Any], cfg: OPDConfig) -> Non
     # What the environment reports besides success (mean return, score, value, questions asked...).
     figures = summary.get("heldout") or {}
     extra = sorted({k for row in figures.values() for k in row} - {"turns"})
+    if summary.get("by_environment"):  # a mix: its environments' own figures mean little averaged together
+        extra = [k for k in extra if k in ("return", "valid_action_rate")]
     for key in extra:
         table.add_column(key.replace("_", " "), justify="right")
 

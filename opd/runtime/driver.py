@@ -463,8 +463,12 @@ class TrainingRun:
         self.state.evals.append({"step": 0, **record})
         self.metrics.write(0, record)
         episodes = len(self.ctx.eval_tasks)
+        per_env = [(k.split("/")[1], record.get(f"eval/{k.split('/')[1]}/teacher_success"), v) for k, v in record.items()
+                   if k.count("/") == 2 and k.endswith("/student_success")]  # a mix's environments
         self.log(f"before training: teacher success {record['eval/teacher_success']:.2f}, "
-                 f"student success {record['eval/student_success']:.2f} on {episodes} held-out tasks")
+                 f"student success {record['eval/student_success']:.2f} on {episodes} held-out tasks"
+                 + ("; per environment, teacher / student: " + ", ".join(
+                     f"{env} {teacher:.2f} / {student:.2f}" for env, teacher, student in per_env) if per_env else ""))
         if self.algorithm.uses_teacher and self.cfg.run.teacher_check != "ignore":
             check = check_teacher(record["eval/teacher_success"], record["eval/student_success"], episodes)
             self.state.teacher_check = check.as_dict()
