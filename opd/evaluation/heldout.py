@@ -26,8 +26,9 @@ def evaluate(ctx: RunContext, who: Role, step: int = 0) -> dict[str, float]:
     (:func:`by_env_figures`)."""
     trajs, gen = ctx.workers.collect(who, ctx.env_factory, ctx.eval_tasks, ctx.eval_settings, ctx.cfg.run.seed)
     ctx.episodes.evaluation(step, who, trajs)
-    return {**by_env_figures(trajs, who, ctx.eval_settings.report_keys), **figures(trajs, who, gen["generation_s"],
-                                                                                   ctx.eval_settings.report_keys)}
+    keys = ctx.eval_settings.report_keys
+    return {**(by_env_figures(trajs, who, keys) if ctx.mix is not None else {}),
+            **figures(trajs, who, gen["generation_s"], keys)}
 
 
 def by_env_figures(trajs: list[Trajectory], who: Role, keys: tuple[str, ...]) -> dict[str, float]:

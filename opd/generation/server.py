@@ -219,8 +219,6 @@ def _server_message(exc: urllib.error.HTTPError) -> str:
 class ServerEngine:
     """A teacher on an OpenAI-compatible completions server (see the module docstring)."""
 
-    partial_updates = False
-
     def __init__(self, spec: ServerSpec):
         self.spec = spec
         self.replicas = Replicas(spec)

@@ -92,6 +92,7 @@ def test_routes_cut_items_into_runs_of_one_teacher_group_in_order():
         routes.teacher_of("z::1")
     single = TeacherRoutes.single()
     assert single.runs(["t1", "t2"], str) == [("teacher", 0, ["t1", "t2"])]
+    assert single.runs(["a::1"], str) == [("teacher", 0, ["a::1"])]  # one environment's own ids, whatever they hold
 
 
 def test_two_names_of_one_model_share_a_group(tmp_path):
