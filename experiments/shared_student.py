@@ -100,22 +100,28 @@ def recipes(recipe: Path, overrides: list[str], models: dict[str, str], out: Pat
 
 
 def run(label: str, recipe: Path, seed: int, out: Path) -> dict:
-    """``opd train`` of ``recipe`` at ``seed`` in ``out/<label>/seed_<seed>`` (a finished run is
-    reused); its summary and the wall time it took."""
+    """``opd train`` of ``recipe`` at ``seed`` in ``out/<label>/seed_<seed>``; its summary and the
+    wall time it took. A finished run is reused, and one that finished with fewer steps than the
+    recipe now asks goes on from its last checkpoint (``--resume``)."""
     run_dir = out / label / f"seed_{seed}"
     cost = run_dir.with_name(f"seed_{seed}.cost.json")
     summary_file = run_dir / "summary.json"
-    if not summary_file.is_file():
-        print(f"[{time.strftime('%H:%M:%S')}] {label}, seed {seed}", flush=True)
+    wanted = yaml.safe_load(recipe.read_text())["run"]["total_steps"]
+    done_steps = json.loads(summary_file.read_text())["steps"] if summary_file.is_file() else None
+    if done_steps is None or done_steps < wanted:
+        resume = done_steps is not None
+        print(f"[{time.strftime('%H:%M:%S')}] {label}, seed {seed}"
+              + (f" (from step {done_steps} to {wanted})" if resume else ""), flush=True)
         start = time.perf_counter()
-        cmd = [*OPD, "train", str(recipe), f"run.seed={seed}", f"run.output_dir={run_dir}"]
+        cmd = [*OPD, "train", str(recipe), f"run.seed={seed}", f"run.output_dir={run_dir}", *(["--resume"] if resume else [])]
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         log = run_dir.with_name(f"seed_{seed}.log")
-        with log.open("w") as f:
+        with log.open("a" if resume else "w") as f:
             done = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         if done.returncode != 0:
             sys.exit(f"{label}, seed {seed} failed (exit {done.returncode}); see {log}")
-        cost.write_text(json.dumps({"wall_s": time.perf_counter() - start}))
+        before = json.loads(cost.read_text())["wall_s"] if resume and cost.is_file() else 0.0
+        cost.write_text(json.dumps({"wall_s": before + time.perf_counter() - start}))
         print(f"    done in {time.perf_counter() - start:.0f}s", flush=True)
     summary = json.loads(summary_file.read_text())
     return {"label": label, "seed": seed, "summary": summary,

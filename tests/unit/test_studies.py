@@ -238,3 +238,30 @@ def test_a_staged_teacher_goes_on_from_each_stage_and_teaches_the_chosen_stage(m
     assert models == [f"teacher.path={stage3}", "teacher.bootstrap=null", f"student.path={stage1}", "student.bootstrap=null"]
     cfg = load_config(fidelity.RECIPES_DIR / arm.recipe, [*arm.overrides, *models])
     assert (cfg.teacher.path, cfg.teacher.bootstrap, cfg.student.path) == (stage3, None, stage1)
+
+
+def test_the_shared_student_study_keeps_lifts_apart_per_environment_and_seed():
+    """experiments/shared_student.py's table: the single and mixed lifts from each run's summary,
+    the share kept (mean and per seed), and no share where the single teacher lifted nothing."""
+    from experiments import shared_student
+
+    def single(before, after):
+        return {"teacher_success": 0.9, "student_success_before": before, "student_success_after": after}
+
+    def mixed(lake_after, simon_after):
+        return {"by_environment": {"lake": {"teacher": 0.9, "student_before": 0.1, "student_after": lake_after},
+                                   "simon": {"teacher": 1.0, "student_before": 0.0, "student_after": simon_after}}}
+
+    records = [{"label": "mixed", "seed": 0, "summary": mixed(0.5, 0.0)},
+               {"label": "mixed", "seed": 1, "summary": mixed(0.3, 0.0)},
+               {"label": "lake", "seed": 0, "summary": single(0.1, 0.6)},
+               {"label": "lake", "seed": 1, "summary": single(0.1, 0.5)},
+               {"label": "simon", "seed": 0, "summary": single(0.0, 0.0)},
+               {"label": "simon", "seed": 1, "summary": single(0.0, 0.0)}]
+    rows, md = shared_student.table(records, ["lake", "simon"], [0, 1])
+    lake, simon = rows
+    assert lake["single_lift"] == pytest.approx(0.45) and lake["mixed_lift"] == pytest.approx(0.3)
+    assert lake["kept"] == pytest.approx(0.3 / 0.45)
+    assert lake["kept_per_seed"] == [pytest.approx(0.4 / 0.5), pytest.approx(0.2 / 0.4)]
+    assert simon["kept"] is None and simon["kept_per_seed"] == [None, None]
+    assert "| lake | 90% | 10% | 60%, 50% | 50%, 30% | +45 pts | +30 pts | **67%** (80%, 50%) | not met |" in md
