@@ -238,3 +238,21 @@ def test_an_entry_may_name_its_own_splits(tmp_path):
     assert mixed.member_task_ids("lake", "train")[0].endswith(make_env("opd/FrozenLakeText-v0").unwrapped.task_ids("train")[0])
     recipe["env"]["mix"][1]["train_split"] = "nope"
     assert "key 'env.mix.1 (env.train_split)'" in _error(tmp_path, recipe)
+
+
+def test_a_named_teacher_may_be_served_with_its_own_actors(tmp_path):
+    """``teachers.NAME.engine: server``: its group's spec carries its server, its actors their
+    own count and shares; the other group keeps the recipe's defaults."""
+    from opd.runtime.workers import role_specs
+
+    recipe = _loadable(tmp_path)
+    recipe["teachers"]["two"] = {"engine": "server", "server": {"urls": ["http://10.0.0.5:8000"], "model": "m"},
+                                 "replicas": 3, "cpus": 0.05}
+    cfg = load_config(_write(tmp_path, recipe))
+    specs = role_specs(cfg, str(tmp_path / "student"), {"one": str(tmp_path / "one"), "two": str(tmp_path / "student")})
+    assert list(specs.teachers) == ["one", "two"] and specs.teacher is specs.teachers["one"].spec
+    served = specs.teachers["two"]
+    assert served.spec.engine.engine == "server" and served.spec.engine.server.urls == ("http://10.0.0.5:8000",)
+    assert (served.replicas, served.cpus, served.gpus) == (3, 0.05, 0.0)
+    assert (specs.teachers["one"].replicas, specs.teachers["one"].cpus) == (1, 0.25)
+    assert specs.routes.env_teacher == {"lake": "one", "rough": "two"}
