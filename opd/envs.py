@@ -216,7 +216,7 @@ class EnvFactory:
 
         from opd.mixture import MIX_ID, member_specs
 
-        if list(env_cfg.mix):
+        if list(getattr(env_cfg, "mix", None) or []):
             members = [{**m, "kwargs": {**m["kwargs"], **kwargs}} for m in member_specs(env_cfg)]
             return cls(MIX_ID, {"envs": members})
 
