@@ -32,8 +32,9 @@ def test_every_shipped_recipe_binds_and_every_key_is_read(recipe):
         cfg = _merge(OmegaConf.structured(OPDConfig), OmegaConf.load(recipe), source=str(recipe))
     else:
         engine = {"ALFWorld": "alfworld", "ScienceWorld": "scienceworld"}
+        ids = [raw["env"].get("id", ""), *(entry["id"] for entry in raw["env"].get("mix", []))]  # env.mix: each entry's
         for name, module in engine.items():
-            if f"opd/{name}Text" in raw["env"]["id"]:
+            if any(f"opd/{name}Text" in env_id for env_id in ids):
                 pytest.importorskip(module, reason=f"{recipe.name} needs the envs extra (`pip install -e .[envs]`)")
         cfg = load_config(recipe)
     resolved = OmegaConf.to_container(cfg)
