@@ -739,14 +739,13 @@ def _named_teacher_shares(cfg: OPDConfig) -> tuple[float, float, bool]:
     """The CPUs and GPUs the named ``teachers``' actors ask for together (each its ``replicas``
     times its ``cpus`` / ``gpus``, the ``resources.teacher_*`` ones where it leaves them at 0 /
     -1), and whether the recipe's own ``teacher`` section is routed to."""
-    from opd.mixture import DEFAULT_TEACHER
+    from opd.mixture import DEFAULT_TEACHER, teacher_resources
 
-    res = cfg.resources
     cpus = gpus = 0.0
-    for section in cfg.teachers.values():
-        n = section.replicas or res.teacher_replicas
-        cpus += n * (section.cpus if section.cpus >= 0 else res.teacher_cpus)
-        gpus += n * (section.gpus if section.gpus >= 0 else res.teacher_gpus)
+    for name, section in cfg.teachers.items():
+        n, each_cpus, each_gpus = teacher_resources(name, section, cfg.resources)
+        cpus += n * each_cpus
+        gpus += n * each_gpus
     routed = not cfg.env.mix or any(str(e.teacher) == DEFAULT_TEACHER for e in cfg.env.mix)
     return cpus, gpus, routed
 

@@ -14,9 +14,10 @@ the trajectories on disk and the reports without any of them knowing about mixes
 - :class:`TeacherRoutes` says which teacher grades an episode (its environment's ``teacher``)
   and which actor group holds that teacher (two names of one model share a group), and cuts a
   step's trajectories into runs of one group, in order, which the workers score apart and join.
-- :func:`mix_metrics` splits a step's figures by environment (``success/<env>``) and the
-  sampled reverse KL by teacher (``kl/<teacher>``); the held-out evaluation does the same with
-  :func:`by_environment`.
+- :func:`by_environment` groups episodes by their environment, for the step's figures apart
+  (:func:`opd.algorithms.step.mix_metrics`: ``success/<env>``, ``kl/<teacher>``) and the
+  held-out evaluation's (``eval/<env>/...``).
+- :func:`teacher_resources` gives a teacher section's actors and their shares.
 
 Example:
     >>> env_of("lake::t3"), inner_task("lake::t3"), env_of("t3")
@@ -327,8 +328,15 @@ def routes_of(cfg: Any, share_models: bool = True) -> TeacherRoutes:
     return TeacherRoutes(env_teacher, group)
 
 
-def is_mixed(cfg: Any) -> bool:
-    return bool(list(cfg.env.mix))
+def teacher_resources(name: str, section: Any, resources: Any) -> tuple[int, float, float]:
+    """Teacher ``name``'s actor count and each actor's CPU and GPU share: a named teacher's own
+    ``replicas`` / ``cpus`` / ``gpus`` where it sets them (0, -1, -1 leave them to
+    ``resources.teacher_*``), the recipe's ``teacher`` section's always from ``resources``."""
+    if name == DEFAULT_TEACHER:
+        return int(resources.teacher_replicas), float(resources.teacher_cpus), float(resources.teacher_gpus)
+    return (int(section.replicas or resources.teacher_replicas),
+            float(section.cpus if section.cpus >= 0 else resources.teacher_cpus),
+            float(section.gpus if section.gpus >= 0 else resources.teacher_gpus))
 
 
 # -- figures --------------------------------------------------------------------------------------

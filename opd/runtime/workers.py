@@ -28,7 +28,7 @@ from typing import Any, Callable
 from opd.envs import EnvFactory
 from opd.generation.base import TokenScores
 from opd.generation.server import ServerSpec
-from opd.mixture import DEFAULT_TEACHER, TeacherRoutes, routes_of
+from opd.mixture import DEFAULT_TEACHER, TeacherRoutes, routes_of, teacher_resources
 from opd.rollout.vanilla import EpisodeSettings
 from opd.schema import ModelConfig, OPDConfig, SupervisionConfig
 from opd.training.trainer import TrainerSpec
@@ -124,10 +124,7 @@ def role_specs(cfg: OPDConfig, student_path: str, teacher_path: str | dict[str, 
         section = sections[name]
         spec = TeacherSpec(EngineSpec.of(section, paths[name], threads), student_path if cross else None,
                            bool(cfg.student.trust_remote_code))
-        own = name != DEFAULT_TEACHER
-        teachers[name] = TeacherGroup(spec, int(section.replicas or res.teacher_replicas) if own else res.teacher_replicas,
-                                      float(section.cpus if own and section.cpus >= 0 else res.teacher_cpus),
-                                      float(section.gpus if own and section.gpus >= 0 else res.teacher_gpus))
+        teachers[name] = TeacherGroup(spec, *teacher_resources(name, section, res))
     return RoleSpecs(
         threads=threads,
         teacher=next(iter(teachers.values())).spec,
