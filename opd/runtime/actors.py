@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import tempfile
 import time
@@ -32,6 +33,7 @@ from opd.algorithms.base import BatchPlan, Role, Scored
 from opd.envs import EnvFactory
 from opd.generation.base import TokenScores
 from opd.mixture import DEFAULT_TEACHER, TeacherRoutes
+from opd.process import SWITCH, USER_SETTINGS
 from opd.rollout.vanilla import EpisodeSettings
 from opd.runtime.errors import WorkerError
 from opd.runtime.workers import RolloutWorker, TeacherWorker, merge_collected, role_specs, shares
@@ -312,7 +314,9 @@ def spawn_workers(cfg: OPDConfig, student_path: str, teacher_path: str) -> RayWo
     groups = reserve(requests, timeout_s=res.placement_timeout_s)
     # Ray would set OMP_NUM_THREADS to an actor's (rounded-down) CPU share; on a small machine
     # the phases run one after another, so each actor may use every core while it works.
-    thread_env = {"env_vars": {"OMP_NUM_THREADS": str(specs.threads)}}
+    # The malloc settings a user gave (opd.process) reach every actor, on any node.
+    malloc_env = {k: os.environ[k] for k in (SWITCH, *USER_SETTINGS) if k in os.environ}
+    thread_env = {"env_vars": {"OMP_NUM_THREADS": str(specs.threads), **malloc_env}}
 
     def start(cls, role: str, index: int, *args, **kwargs):
         return ray.remote(cls).options(

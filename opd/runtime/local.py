@@ -48,6 +48,7 @@ from opd.algorithms.base import BatchPlan, Role, Scored
 from opd.envs import EnvFactory
 from opd.generation.base import TokenScores
 from opd.mixture import TeacherRoutes
+from opd.process import configure_role_process
 from opd.rollout.vanilla import EpisodeSettings
 from opd.runtime.errors import RunError, WorkerError
 from opd.runtime.workers import RolloutWorker, TeacherWorker, merge_collected, role_specs
@@ -164,12 +165,10 @@ def spawn_local_workers(cfg: OPDConfig, student_path: str, teacher_path: str) ->
             raise RunError(f"trainer.engine: deepspeed, and DeepSpeed cannot be imported here ({exc}): set "
                            "trainer.engine=torch (plain PyTorch, one rank) or pip install deepspeed (on CPU it needs "
                            "no compiler). Ray is not needed.", resumable=False) from None
-    import torch
-
     specs = role_specs(cfg, student_path, teacher_path)
     # Once for the process: every role runs in it, one after another (each constructor below sets
     # the same count again, as it does in its own actor).
-    torch.set_num_threads(specs.threads)
+    configure_role_process(specs.threads)
     teachers = {name: TeacherWorker(group.spec) for name, group in specs.teachers.items()}
     teacher_worker, rollout_worker = next(iter(teachers.values())), RolloutWorker(specs.rollout)
     trainer = StudentTrainer(specs.trainer)

@@ -29,6 +29,7 @@ from opd.envs import EnvFactory
 from opd.generation.base import TokenScores
 from opd.generation.server import ServerSpec
 from opd.mixture import DEFAULT_TEACHER, TeacherRoutes, routes_of, teacher_resources
+from opd.process import configure_role_process
 from opd.rollout.vanilla import EpisodeSettings
 from opd.schema import ModelConfig, OPDConfig, SupervisionConfig
 from opd.training.trainer import TrainerSpec
@@ -167,19 +168,12 @@ def merge_collected(parts: list[tuple[list[Trajectory], dict[str, float]]]) -> t
     return trajs, timing
 
 
-def set_threads(n: int) -> None:
-    """torch's intra-op threads in this process: ``n``, or every core for 0."""
-    import torch
-
-    torch.set_num_threads(max(1, n or os.cpu_count() or 1))
-
-
 class PolicyWorker:
     """What a process that holds one policy shares: its engine, tokenizer, ChatML ids and
     environment pool (the :class:`opd.algorithms.base.PolicyHost` an algorithm's function sees)."""
 
     def __init__(self, spec: EngineSpec):
-        set_threads(spec.torch_threads)
+        configure_role_process(spec.torch_threads)
         from opd.chat import ChatFormat
         from opd.generation import make_engine
         from opd.models import load_tokenizer

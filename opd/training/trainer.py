@@ -49,6 +49,7 @@ from opd.generation.base import TokenScores
 from opd.generation.packed import causal_forward, head_hidden_at, packed_forward
 from opd.losses import combined_loss, needs_reference, resolve_loss
 from opd.models import WireWeights, cpu_copy, load_model, load_tokenizer, save_model
+from opd.process import configure_role_process
 from opd.schema import TrainerConfig
 from opd.training import lora
 from opd.training.checkpoint import CheckpointError, check_pickles, safe_torch_load
@@ -381,7 +382,7 @@ class StudentTrainer:
     """
 
     def __init__(self, spec: TrainerSpec, rank: int = 0, world_size: int = 1, rendezvous: str | None = None):
-        torch.set_num_threads(max(1, spec.torch_threads or os.cpu_count() or 1))
+        configure_role_process(spec.torch_threads)
         trainer_cfg, loss_terms, model_dir, dtype = spec.trainer, list(spec.loss_terms), spec.model_dir, spec.dtype
         trust_remote_code, temperature = spec.trust_remote_code, spec.temperature
         self.rank, self.world_size = int(rank), int(world_size)
