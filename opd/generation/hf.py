@@ -189,10 +189,12 @@ class HFEngine:
                                 length=end)
             self.prefill_forwards += 1
         if self.prefixes.capacity_bytes:
-            real_BS = mask_BS.bool()
             layers = kv_layers(past)
-            for i, p in enumerate(prompts):
-                self.prefixes.put(p, [(k[i][:, real_BS[i]], v[i][:, real_BS[i]]) for k, v in layers])
+            for i, (p, (n, _)) in enumerate(zip(prompts, hits)):
+                if self.prefixes.wants(p):  # a row's real columns: its reused prefix, then its new tokens
+                    real = slice(P + U - (len(p) - n), P + U)
+                    self.prefixes.put(p, [(_joined(k[i], P - n, P, real), _joined(v[i], P - n, P, real))
+                                          for k, v in layers])
         next_pos_B = torch.tensor([len(p) for p in prompts], device=self.device)
         return past, mask_BS, next_pos_B, out.logits[:, -1].float()
 
@@ -317,3 +319,10 @@ class HFEngine:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+
+def _joined(x_HSD: torch.Tensor, start: int, end: int, new: slice) -> torch.Tensor:
+    """Columns ``start:end`` (a reused prefix, none when equal) and then ``new`` of ``[H, S, D]``."""
+    if start == end:
+        return x_HSD[:, new]
+    return torch.cat([x_HSD[:, start:end], x_HSD[:, new]], dim=1)

@@ -8,7 +8,8 @@ for one prompt in the prefix cache).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import bisect
+from collections import Counter, OrderedDict
 
 import torch
 from transformers import DynamicCache
@@ -100,6 +101,8 @@ class PrefixCache:
     def __init__(self, capacity_bytes: int = 0, min_tokens: int = 16):
         self.capacity_bytes, self.min_tokens = capacity_bytes, min_tokens
         self._entries: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self._lengths: list[int] = []  # the entries' distinct key lengths, ascending
+        self._per_length: Counter[int] = Counter()
         self._bytes = 0
         self.dtype = torch.float32
         self.hits = self.reused_tokens = 0
@@ -109,17 +112,20 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._lengths.clear()
+        self._per_length.clear()
         self._bytes = 0
 
     def longest(self, prompt: list[int]) -> tuple[int, list | None]:
         """``(n, kv)``: the longest cached prompt that starts ``prompt``, usable for its first
         ``n`` tokens (at most ``len(prompt) - 1``: the last token is computed for its logits);
-        ``(0, None)`` when none. A linear scan of the entries (hundreds at most for the
-        default budget and a tiny model; a trie would scale further)."""
-        best = None
-        for key in reversed(self._entries):
-            if len(key) <= len(prompt) and (best is None or len(key) > len(best)) and tuple(prompt[: len(key)]) == key:
+        ``(0, None)`` when none. One lookup per distinct length of the cached prompts, longest
+        first (a multi-turn context usually finds its previous turn's at once)."""
+        ids, best = tuple(prompt), None
+        for k in range(bisect.bisect_right(self._lengths, len(ids)) - 1, -1, -1):
+            if (key := ids[: self._lengths[k]]) in self._entries:
                 best = key
+                break
         if best is None:
             return 0, None
         self._entries.move_to_end(best)
@@ -129,6 +135,11 @@ class PrefixCache:
         self.hits += 1
         self.reused_tokens += n
         return n, self._entries[best]
+
+    def wants(self, prompt: list[int]) -> bool:
+        """Whether :meth:`put` would keep ``prompt``'s KV (long enough, not cached yet): ask
+        before gathering it."""
+        return self.capacity_bytes > 0 and len(prompt) >= self.min_tokens and tuple(prompt) not in self._entries
 
     def put(self, prompt: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         key = tuple(prompt)
@@ -140,10 +151,20 @@ class PrefixCache:
         kv = [(k.contiguous(), v.contiguous()) for k, v in kv]
         self.dtype = kv[0][0].dtype
         self._entries[key] = kv
+        self._count_length(len(key), +1)
         self._bytes += size
         while self._bytes > self.capacity_bytes:
-            _, old = self._entries.popitem(last=False)
+            gone, old = self._entries.popitem(last=False)
+            self._count_length(len(gone), -1)
             self._bytes -= _nbytes(old)
+
+    def _count_length(self, length: int, change: int) -> None:
+        self._per_length[length] += change
+        if change > 0 and self._per_length[length] == 1:
+            bisect.insort(self._lengths, length)
+        elif change < 0 and self._per_length[length] == 0:
+            del self._per_length[length]
+            self._lengths.pop(bisect.bisect_left(self._lengths, length))
 
 
 def _nbytes(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> int:

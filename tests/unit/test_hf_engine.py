@@ -290,3 +290,27 @@ def test_scores_equal_a_plain_forwards_log_softmax(tokenizer, tiny_model_dir, pa
         targets_N = torch.tensor([request.input_ids[j] for j in request.target_index])
         torch.testing.assert_close(torch.tensor(scores.logprobs), expected_NV.gather(1, targets_N[:, None]).squeeze(1),
                                    atol=1e-4, rtol=0)
+
+
+def test_the_prefix_cache_finds_the_longest_cached_prompt_by_its_lengths_and_forgets_evicted_ones():
+    from opd.generation.kv_cache import PrefixCache
+
+    def kv(n):  # one layer's keys and values for n tokens: 2 heads x n x 4, 64 bytes a token
+        return [(torch.zeros(2, n, 4), torch.zeros(2, n, 4))]
+
+    cache = PrefixCache(capacity_bytes=64 * 100)
+    base = list(range(100, 140))
+    for n in (16, 20, 30):
+        cache.put(base[:n], kv(n))
+    cache.put(list(range(200, 220)), kv(20))  # the same length, another prompt
+    assert not cache.wants(base[:20]) and cache.wants(base[:25]) and not cache.wants(base[:5])
+    assert cache.longest(base)[0] == 30
+    assert cache.longest(base[:30])[0] == 29  # the last token is computed for its logits
+    assert cache.longest(base[:25])[0] == 20
+    assert cache.longest([7] + base) == (0, None)
+    cache.put(base[:40], kv(40))  # over the budget: the least recently used go first
+    assert len(cache) == 3 and cache._lengths == [20, 30, 40]  # the 16-token prompt and the other one went
+    assert cache.longest(base[:18]) == (0, None) and cache.longest(list(range(200, 221))) == (0, None)
+    assert cache.longest(base[:35])[0] == 30
+    cache.clear()
+    assert cache._lengths == [] and cache.longest(base) == (0, None)
