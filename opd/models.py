@@ -17,6 +17,8 @@ from typing import Any, Iterable
 
 import torch
 
+from opd.wire import from_wire, to_wire
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -160,31 +162,24 @@ class WireWeights(dict):
     SmolLM2's 513 MiB against 0.01 s (``bench/weight_sync.py``)."""
 
     def __reduce__(self):
-        arrays: dict[int, Any] = {}
-        names, picks, dtypes = [], [], []
+        arrays: dict[int, tuple[Any, str]] = {}
+        names, picks = [], []
         for name, tensor in self.items():
             if id(tensor) not in arrays:
-                flat = tensor.detach().contiguous()
-                arrays[id(tensor)] = (flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat).numpy()
+                arrays[id(tensor)] = to_wire(tensor)
             names.append(name)
-            picks.append(arrays[id(tensor)])  # the same array object: pickle's memo sends it once
-            dtypes.append(str(tensor.dtype).removeprefix("torch."))
-        return (_unwire, (names, picks, dtypes))
+            picks.append(arrays[id(tensor)])  # the same tuple object: pickle's memo sends it once
+        return (_unwire, (names, picks))
 
 
-def _unwire(names: list[str], arrays: list, dtypes: list[str]) -> dict[str, torch.Tensor]:
+def _unwire(names: list[str], picks: list[tuple[Any, str]]) -> dict[str, torch.Tensor]:
     """:class:`WireWeights`' arrays as tensors over the same memory (a tie stays one tensor)."""
-    import warnings
-
-    out: dict[str, torch.Tensor] = {}
     made: dict[int, torch.Tensor] = {}
-    with warnings.catch_warnings():  # the store's buffers are read-only; the tensors are only read
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        for name, array, dtype in zip(names, arrays, dtypes):
-            if id(array) not in made:
-                tensor = torch.from_numpy(array)
-                made[id(array)] = tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
-            out[name] = made[id(array)]
+    out: dict[str, torch.Tensor] = {}
+    for name, pick in zip(names, picks):
+        if id(pick) not in made:
+            made[id(pick)] = from_wire(*pick)
+        out[name] = made[id(pick)]
     return out
 
 
@@ -272,8 +267,12 @@ def tiny_qwen3(tokenizer, arch, seed: int):
     """A freshly initialised small Qwen3 causal LM sized by ``arch`` (head_dim 64)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    rows = int(getattr(arch, "vocab_size", 0) or 0)
+    if 0 < rows < len(tokenizer):
+        raise ValueError(f"bootstrap.arch.vocab_size ({rows}) is below the tokenizer's {len(tokenizer)} tokens: set 0 "
+                         "(the tokenizer's size) or at least that many")
     config = Qwen3Config(
-        vocab_size=len(tokenizer),
+        vocab_size=rows or len(tokenizer),
         hidden_size=arch.hidden_size,
         intermediate_size=arch.intermediate_size,
         num_hidden_layers=arch.num_layers,

@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from opd.schema import SCORING_MODES
+from opd.wire import from_wire, to_wire
 
 
 @dataclass(frozen=True)
@@ -125,10 +126,20 @@ class TokenScores:
         return TokenScores([x for p in parts for x in p.logprobs], cat("topk_ids"), cat("topk_logprobs"),
                            cat("tail_logprob"), cat("full_logprobs"), cat("hidden"))
 
+    def __reduce__(self):
+        """Pickled with its tensors as numpy arrays (:mod:`opd.wire`): out of band, no copy, through
+        Ray's object store from the teacher to the trainer."""
+        tensors = (self.topk_ids, self.topk_logprobs, self.tail_logprob, self.full_logprobs, self.hidden)
+        return (_scores_from_wire, (self.logprobs, [None if t is None else to_wire(t) for t in tensors]))
+
     def nbytes(self) -> int:
         """Size of the payload that crosses to the trainer."""
         tensors = (self.topk_ids, self.topk_logprobs, self.tail_logprob, self.full_logprobs, self.hidden)
         return 4 * len(self.logprobs) + sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _scores_from_wire(logprobs: list[float], tensors: list) -> TokenScores:
+    return TokenScores(logprobs, *(None if t is None else from_wire(*t) for t in tensors))
 
 
 def scores_from_logprobs(logp_NV: torch.Tensor, target_N: torch.Tensor, mode: str, top_k: int) -> TokenScores:

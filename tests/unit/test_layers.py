@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Bottom to top; a module may import from its own layer and the layers below. The names are
 # module prefixes: "opd.generation" covers opd.generation and everything under it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("data", ("opd", "opd.schema", "opd.trajectory", "opd.chat", "opd.optional", "opd.progress")),
+    ("data", ("opd", "opd.schema", "opd.trajectory", "opd.chat", "opd.optional", "opd.progress", "opd.process", "opd.wire")),
     ("engines and environments", ("opd.models", "opd.envs", "opd.mixture", "opd.generation", "environments")),
     ("rollout, supervision and losses", ("opd.rollout", "opd.supervision", "opd.losses", "opd.curriculum")),
     ("training", ("opd.training",)),

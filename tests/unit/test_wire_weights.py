@@ -33,3 +33,21 @@ def test_weights_travel_out_of_band_and_arrive_equal():
     # The received tensors are views of the buffers, not copies.
     starts = {np.frombuffer(b.raw(), dtype=np.uint8).ctypes.data for b in buffers}
     assert {back[name].data_ptr() for name in state} == starts
+
+
+def test_teacher_scores_cross_as_out_of_band_arrays_and_arrive_equal():
+    """:class:`TokenScores`' tensors go to the trainer as protocol-5 buffers (not torch.save bytes)."""
+    import pickle
+
+    from opd.generation.base import TokenScores
+
+    scores = TokenScores([-0.5, -1.0], topk_ids=torch.tensor([[3, 4], [5, 6]]), topk_logprobs=torch.randn(2, 2),
+                         tail_logprob=torch.randn(2), full_logprobs=torch.randn(2, 320).to(torch.bfloat16))
+    buffers: list = []
+    data = pickle.dumps(scores, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == 4 and len(data) < 1_000  # the four tensors out of band
+    back = pickle.loads(data, buffers=buffers)
+    assert back.logprobs == scores.logprobs and back.hidden is None
+    for name in ("topk_ids", "topk_logprobs", "tail_logprob", "full_logprobs"):
+        assert getattr(back, name).dtype == getattr(scores, name).dtype
+        assert torch.equal(getattr(back, name), getattr(scores, name))
