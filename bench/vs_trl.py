@@ -5,13 +5,16 @@ side, timed in the same run.
     .venv/bin/python bench/vs_trl.py --steps 12      # 2 rounds, opd (ray), TRL, opd (local); SmolLM2's vocabulary
     .venv/bin/python bench/vs_trl.py --steps 5 --rounds 1 --backends ray   # a quick look
     .venv/bin/python bench/vs_trl.py --vocab recipe  # the recipe's own 320-token toy vocabulary
+    .venv/bin/python bench/vs_trl.py --vocab qwen3   # Qwen3's 151,936-row vocabulary
     .venv/bin/python bench/vs_trl.py rollout.episodes_per_step=64          # overrides reach both
     .venv/bin/python bench/vs_trl.py supervision.scoring=sampled losses.0.args.estimator=sampled  # opd's sampled estimator
 
 Vocabulary (``--vocab``): by default both models get SmolLM2's tokenizer (49,152 tokens, shipped
 offline with the CPU install), the size of a real model's, where the exact full-vocabulary loss
 costs what it costs on real models; the bootstrap then gives the teacher 150 and the student 60
-SFT steps. ``--vocab recipe`` keeps the recipe's own 320-token tokenizer: a toy in which a step is
+SFT steps. ``--vocab qwen3`` gives both models Qwen3's 151,936 embedding rows over the same tokenizer
+(rows no token uses, as Qwen3 pads its 151,669 tokens: ``bootstrap.arch.vocab_size``), so that every
+distribution computed is Qwen3's size. ``--vocab recipe`` keeps the recipe's own 320-token tokenizer: a toy in which a step is
 about 0.1 s of arithmetic in both frameworks and per-step overhead decides.
 
 What runs: ``recipes/prompt_dataset.yaml`` (the arithmetic prompt dataset, a tiny Qwen3 teacher
@@ -80,6 +83,12 @@ TOLERANCE = 1e-4  # |opd - TRL| on the loss check
 # --vocab smollm2: a real vocabulary for both models, and the bootstrap steps that teach them the task with it.
 REAL_VOCAB_OVERRIDES = ("teacher.bootstrap.tokenizer=smollm2", "student.bootstrap.tokenizer=smollm2",
                         "teacher.bootstrap.sft_steps=150", "student.bootstrap.sft_steps=60")
+# --vocab qwen3: the same, with Qwen3's 151,936 embedding rows (SmolLM2's 49,152 tokens and rows no token uses, as
+# Qwen3 pads its own 151,669): every distribution the loss, the teacher and the sampler compute is Qwen3's size.
+QWEN3_VOCAB = 151_936
+VOCAB_OVERRIDES = {"smollm2": REAL_VOCAB_OVERRIDES, "recipe": (),
+                   "qwen3": (*REAL_VOCAB_OVERRIDES, f"teacher.bootstrap.arch.vocab_size={QWEN3_VOCAB}",
+                             f"student.bootstrap.arch.vocab_size={QWEN3_VOCAB}")}
 # ChatML as opd renders a first prompt (opd.chat.first_prompt_ids): given to TRL's tokenizer when its
 # own template renders the prompts otherwise (SmolLM2's adds a default system message).
 PLAIN_CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -335,15 +344,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each framework's processes")
     parser.add_argument("--backends", default="ray,local", help="opd backends to time, comma-separated; the first "
                         "is the headline")
-    parser.add_argument("--vocab", choices=("smollm2", "recipe"), default="smollm2",
-                        help="both models' tokenizer: SmolLM2's 49,152 tokens, or the recipe's own (a toy)")
+    parser.add_argument("--vocab", choices=tuple(VOCAB_OVERRIDES), default="smollm2",
+                        help="both models' vocabulary: SmolLM2's 49,152 tokens, Qwen3's 151,936 rows (SmolLM2's "
+                        "tokenizer, the rows padded), or the recipe's own (a toy)")
     parser.add_argument("--out", default="runs/bench_vs_trl")
     parser.add_argument("overrides", nargs="*", help="key=value for opd's recipe, read by both, e.g. "
                         "rollout.episodes_per_step=64")
     args = parser.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
-    if args.vocab == "smollm2":
-        args.overrides = [*REAL_VOCAB_OVERRIDES, *args.overrides]
+    args.overrides = [*VOCAB_OVERRIDES[args.vocab], *args.overrides]
     if args.rounds < 1 or args.steps <= args.warmup or not set(backends) <= {"ray", "local"} or not backends:
         parser.error("need --rounds >= 1, --steps > --warmup and --backends among ray,local")
     args.recipe = str(Path(args.recipe).resolve())  # the runs start in the repository root

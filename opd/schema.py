@@ -37,6 +37,7 @@ class TinyArchConfig:
     num_layers: int = 2  # transformer blocks
     num_heads: int = 2  # attention heads; head_dim is fixed at 64 (vLLM's CPU attention needs it)
     intermediate_size: int = 384  # MLP width
+    vocab_size: int = 0  # embedding rows: 0 = the tokenizer's; more pads them, as Qwen3's 151,936 pad its 151,669 tokens
 
 
 @dataclass
@@ -401,7 +402,7 @@ _GPUS = Bound(0, 10_000)
 # anywhere, with the bound in the message.
 BOUNDS: dict[type, dict[str, Bound]] = {
     TinyArchConfig: {"hidden_size": Bound(1, 65_536), "num_layers": Bound(1, 1_024), "num_heads": Bound(1, 1_024),
-                     "intermediate_size": Bound(1, 1 << 20)},
+                     "intermediate_size": Bound(1, 1 << 20), "vocab_size": Bound(0, 1 << 24)},
     BootstrapConfig: {"n_episodes": _COUNT, "explore_prob": Bound(0, 1, high_strict=True), "sft_steps": Bound(0, 10**7),
                       "batch_size": Bound(1, 65_536), "learning_rate": Bound(0, 1, low_strict=True),
                       "tokenizer_vocab_size": Bound(256, 1 << 20), "corpus_episodes": _COUNT,

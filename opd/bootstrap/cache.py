@@ -88,6 +88,8 @@ def bootstrap_key(boot: BootstrapConfig, env_cfg: EnvConfig, seed: int, build: b
     without the build environment: the recipe's key, which names a shipped model
     (:mod:`opd.bootstrap.shipped`), the same on every machine."""
     settings = {k: v for k, v in plain(boot).items() if k not in NOT_KEYED}
+    if isinstance(settings.get("arch"), dict) and not settings["arch"].get("vocab_size"):
+        settings["arch"] = {k: v for k, v in settings["arch"].items() if k != "vocab_size"}  # as keyed before it existed
     payload = {"v": CACHE_VERSION, "boot": settings, "env": env_cfg.id, "kwargs": data_kwargs(env_cfg),
                "data": getattr(EnvFactory.of(env_cfg).env_class(), "data_version", ""), "split": env_cfg.train_split,
                "seed": seed}

@@ -54,3 +54,14 @@ def test_the_tokenizer_key_names_its_corpus_and_words():
     base = tokenizer_key(ENV, 320, 300, ("left", "down"))
     assert len({base, tokenizer_key(ENV, 400, 300, ("left", "down")), tokenizer_key(ENV, 320, 100, ("left", "down")),
                 tokenizer_key(ENV, 320, 300, ("left",))}) == 4
+
+
+def test_padded_embedding_rows_name_the_model_and_none_keep_the_keys_of_before(monkeypatch):
+    """``arch.vocab_size`` came after models were shipped under their keys: left at 0 it is not in the
+    key (the shipped models keep their names), set it names a model of its own."""
+    hashed: list[dict] = []
+    monkeypatch.setattr("opd.bootstrap.cache.digest", lambda payload: hashed.append(payload) or str(len(hashed)))
+    bootstrap_key(OmegaConf.structured(BootstrapConfig()), ENV, 0)
+    bootstrap_key(OmegaConf.structured(BootstrapConfig(arch=TinyArchConfig(vocab_size=151_936))), ENV, 0)
+    assert "vocab_size" not in hashed[0]["boot"]["arch"]
+    assert hashed[1]["boot"]["arch"]["vocab_size"] == 151_936

@@ -58,3 +58,12 @@ def test_cpu_copy_carries_a_tied_tensor_once(tiny_model_dir):
     assert len(pickle.dumps(copy)) == pytest.approx(separate - embed_bytes, rel=0.01)
     restored = pickle.loads(pickle.dumps(copy))
     assert restored["lm_head.weight"] is restored["model.embed_tokens.weight"]
+
+
+def test_a_tiny_qwen3_pads_its_embedding_to_arch_vocab_size(tokenizer):
+    arch = TinyArchConfig(hidden_size=64, num_layers=1, num_heads=1, intermediate_size=64, vocab_size=len(tokenizer) + 100)
+    model = tiny_qwen3(tokenizer, arch, seed=0)
+    assert model.config.vocab_size == len(tokenizer) + 100
+    assert model.get_input_embeddings().weight.shape[0] == len(tokenizer) + 100
+    with pytest.raises(ValueError, match="bootstrap.arch.vocab_size"):
+        tiny_qwen3(tokenizer, TinyArchConfig(vocab_size=len(tokenizer) - 1), seed=0)
