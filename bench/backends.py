@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/backends.py                                   # the quickstart, 3 rounds of 30 steps
     .venv/bin/python bench/backends.py --recipe recipes/prompt_dataset.yaml --steps 20
-    .venv/bin/python bench/backends.py --arms ray local ray:GOMP_SPINCOUNT=0   # an arm with its own variables
+    .venv/bin/python bench/backends.py --arms ray local ray:OPD_KEEP_FREED_MEMORY=0   # an arm with its own variables
 
 Each arm is ``opd train RECIPE`` in its own process (``run.backend=ray`` or ``local``, with the
 variables an arm names after a colon), the arms alternating A B A B ... for ``--rounds``; no
@@ -63,13 +63,16 @@ def summarise(runs: list[list[dict]], warmup: int) -> dict:
 
 def markdown(result: dict) -> str:
     summary = result["summary"]
-    base = summary[result["arms"][-1]] if "local" not in summary else summary["local"]
+
+    def base(arm: str) -> dict:  # the local arm with the same variables, else the plain local one
+        return summary.get("local" + arm[len(arm.split(":")[0]):]) or summary.get("local") or summary[result["arms"][-1]]
+
     lines = [f"{Path(result['recipe']).name}: {result['steps']} steps x {result['rounds']} rounds per arm, first "
              f"{result['warmup']} dropped; arms alternate {' '.join(result['arms'])}", "",
-             "| arm | median step (s) | vs local | " + " | ".join(PHASES) + " | per round |",
+             "| arm | median step (s) | vs its local arm | " + " | ".join(PHASES) + " | per round |",
              "|---|---|---|" + "---|" * len(PHASES) + "---|"]
     for arm, row in summary.items():
-        lines.append(f"| {arm} | {row['median_step_s']:.3f} | {row['median_step_s'] / base['median_step_s']:.2f}x | "
+        lines.append(f"| {arm} | {row['median_step_s']:.3f} | {row['median_step_s'] / base(arm)['median_step_s']:.2f}x | "
                      + " | ".join(f"{row['median_phase_s'][p]:.3f}" for p in PHASES) + " | "
                      + ", ".join(f"{v:.3f}" for v in row["round_median_step_s"]) + " |")
     return "\n".join(lines) + "\n"
